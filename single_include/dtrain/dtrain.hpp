@@ -29062,11 +29062,17 @@ struct file_record {
 /// finish(). Everything written goes through the checksum. Destroyed before
 /// finish(), it removes PATH.part.
 ///
-/// `in_place`: a file already at PATH (of a copy taken apart to be written
-/// again: the memory tier's) becomes PATH.part and is written over, not
-/// truncated first, and cut to its new length at finish(): in a tmpfs its
-/// pages are used again, where a new file's are allocated and zeroed (and
-/// the old one's freed), which costs more than the write itself.
+/// `in_place` (the memory tier's): PATH itself is written, over the file
+/// there if any (of a copy set aside to be written again), not truncated
+/// first, and cut to its new length at finish(); not fsync'd, and not
+/// renamed. In a tmpfs a file's pages are used again, where a new file's are
+/// allocated and zeroed (and the old one's freed), which costs more than the
+/// write itself. The file's directory is what commits it (a memory copy's
+/// directory is renamed whole once its manifest is written), so a writer
+/// killed half way leaves a file no copy names; and a memory copy is to
+/// outlive its worker's process, not the machine, so the page cache holds it
+/// once write() returns: an fsync and two renames per file were most of what a
+/// small copy cost.
 class atomic_file {
  public:
   explicit atomic_file(std::filesystem::path path, bool in_place = false);
@@ -29384,12 +29390,9 @@ DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
 }
 
 DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path, bool in_place)
-    : path_(std::move(path)), part_(path_.string() + ".part"), in_place_(in_place) {
-  // In place: PATH, if there is one, is the file written over (a rename:
-  // whatever happens next, PATH is never a file half written).
-  if (in_place_ && ::rename(path_.c_str(), part_.c_str()) != 0 && errno != ENOENT) {
-    fail_os("cannot rename, to write over,", path_, errno);
-  }
+    : path_(std::move(path)),
+      part_(in_place ? path_ : std::filesystem::path(path_.string() + ".part")),
+      in_place_(in_place) {
   fd_.reset(
       ::open(part_.c_str(), O_WRONLY | O_CREAT | (in_place_ ? 0 : O_TRUNC) | O_CLOEXEC, 0644));
   if (!fd_) fail_os("cannot create", part_, errno);
@@ -29398,7 +29401,7 @@ DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path, bool i
 DTRAIN_DETAIL_INLINE atomic_file::~atomic_file() {
   if (fd_) {
     fd_.reset();
-    ::unlink(part_.c_str());
+    ::unlink(part_.c_str());  // (in place: a file half written, of a copy not committed)
   }
 }
 
@@ -29415,17 +29418,22 @@ DTRAIN_DETAIL_INLINE void atomic_file::write(const void* data, std::size_t n) {
 
 DTRAIN_DETAIL_INLINE file_record atomic_file::finish() {
   flush();
-  if (in_place_ && ::ftruncate(fd_.get(), static_cast<::off_t>(bytes_)) != 0) {
-    fail_os("cannot cut to its length", part_, errno);
+  if (in_place_) {  // cut to its length (a file written over may be longer)
+    struct ::stat st {};
+    if (::fstat(fd_.get(), &st) != 0) fail_os("cannot look at", part_, errno);
+    if (static_cast<std::uint64_t>(st.st_size) != bytes_ &&
+        ::ftruncate(fd_.get(), static_cast<::off_t>(bytes_)) != 0) {
+      fail_os("cannot cut to its length", part_, errno);
+    }
   }
-  if (::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
+  if (!in_place_ && ::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
   if (::close(fd_.get()) != 0) {
     const int err = errno;
     static_cast<void>(fd_.release());
     fail_os("cannot close", part_, err);
   }
   static_cast<void>(fd_.release());
-  rename_path(part_, path_);
+  if (!in_place_) rename_path(part_, path_);
   return {path_.filename().string(), bytes_, checksum_.value()};
 }
 
@@ -29916,6 +29924,7 @@ struct part_record {
 struct part_snapshot {
   std::vector<part_record> records;
   std::vector<std::string> owned;  // bytes entries' save() results
+  bool reads_live = false;         // a record points at an entry's live memory
 };
 
 /// The entries one rank registered with its checkpoint, in the order added.
@@ -30155,6 +30164,8 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, st
       void* to = e.staged[slot].reserve(e.values.bytes());
       copies.push_back({to, e.values.data, e.values.bytes()});
       r.data = to;
+    } else if (r.bytes > 0) {
+      out.reads_live = true;
     }
     out.records.push_back(r);
   }
@@ -30352,6 +30363,7 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30387,6 +30399,33 @@ class read_gate {
   std::optional<bool> word_;
 };
 
+/// The thread that writes a tier's asynchronous saves, one at a time:
+/// started at the first, and kept for the tier's life (a thread started for
+/// each save cost more than writing a small state; a memory copy may be
+/// taken at every step). Thread-safe.
+class save_writer {
+ public:
+  save_writer() = default;
+  save_writer(const save_writer&) = delete;
+  save_writer& operator=(const save_writer&) = delete;
+  /// Lets the job in hand, if any, end, and ends the thread.
+  ~save_writer();
+  /// Runs `job` on the thread; the job before has been waited for.
+  void start(std::function<void()> job);
+  /// Waits until the job started last has run; returns the seconds waited.
+  double wait();
+
+ private:
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> job_;  // to run; empty: none
+  bool running_ = false;       // job_ taken, not done
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
@@ -30395,8 +30434,8 @@ struct pending_save {
   bool writes_replicated = false;  // this rank writes the replicated part too
   part_snapshot per_rank, replicated;
   std::optional<file_record> per_rank_file, replicated_file;
-  std::string problem;  // this rank's, from its snapshot or its write
-  std::thread writer;   // an asynchronous save's
+  std::string problem;     // this rank's, from its snapshot or its write
+  bool on_writer = false;  // an asynchronous save's: written on the tier's save_writer
   /// Set when the writer reads the state itself (read_gate): sealed once released.
   std::unique_ptr<read_gate> gate;
 };
@@ -30498,19 +30537,22 @@ class tier {
 
  protected:
   /// On the writer's thread, before this rank's parts of `p` are written:
-  /// makes p.partial, and says whether files there are written over in
-  /// place (atomic_file's `in_place`) rather than made anew.
-  virtual bool open_staging(const pending_save& p);
+  /// makes p.partial (or points it at a directory to write over: the
+  /// memory tier's copy set aside), and says whether files there are
+  /// written in place (atomic_file's `in_place`: the directory's rename
+  /// commits them) rather than each made anew and renamed.
+  virtual bool open_staging(pending_save& p);
   /// After this rank's parts of `p` are written, or failed (p.problem), on
   /// the writer's thread: what the tier does alone (a memory copy commits here).
   virtual void seal(pending_save& p) { static_cast<void>(p); }
   /// On the training thread: the commit of `p` (the writer may still run).
   virtual void finish(std::unique_ptr<pending_save> p, bool next_save) = 0;
-  /// Joins `p`'s writer; returns the seconds waited.
-  static double join_writer(pending_save& p);
+  /// Waits for `p`'s writer; returns the seconds waited.
+  double join_writer(pending_save& p);
 
   tier_context& context_;
   std::unique_ptr<pending_save> pending_;  // the save in flight
+  save_writer writer_;  // (destroyed after the derived tier: its saves are ended)
 };
 
 }  // namespace dtrain::detail::ckpt
@@ -30623,10 +30665,57 @@ DTRAIN_DETAIL_INLINE bool read_gate::decided() const {
   return word_.has_value();
 }
 
+DTRAIN_DETAIL_INLINE save_writer::~save_writer() {
+  {
+    const std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void save_writer::start(std::function<void()> job) {
+  {
+    const std::lock_guard lock(mutex_);
+    job_ = std::move(job);
+    running_ = true;
+  }
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { run(); });
+  } else {
+    changed_.notify_all();
+  }
+}
+
+DTRAIN_DETAIL_INLINE double save_writer::wait() {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return !running_; });
+  return seconds_since(start);
+}
+
+DTRAIN_DETAIL_INLINE void save_writer::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [this] { return stop_ || job_; });
+    if (!job_) return;  // stopped, with nothing left to run
+    std::function<void()> job = std::move(job_);
+    job_ = nullptr;
+    lock.unlock();
+    job();  // (it catches what it throws: a save's problem is its pending_save's)
+    lock.lock();
+    running_ = false;
+    changed_.notify_all();
+  }
+}
+
 DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asynchronous) {
   pending_ = std::move(p);
   if (!pending_->problem.empty()) return;
   auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
+    // With nothing to read where it lives (every entry copied), the
+    // training may change the state at once.
+    if (p.gate && !p.per_rank.reads_live && !p.replicated.reads_live) p.gate->read_done();
     try {
       const bool in_place = open_staging(p);
       if (!p.per_rank.records.empty()) {
@@ -30652,13 +30741,14 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
     seal(p);
   };
   if (asynchronous) {
-    pending_->writer = std::thread(std::move(job));
+    pending_->on_writer = true;
+    writer_.start(std::move(job));
   } else {
     job();
   }
 }
 
-DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
+DTRAIN_DETAIL_INLINE bool tier::open_staging(pending_save& p) {
   // A save of this step that died before may have left the directory:
   // its files are overwritten, and the manifest lists only this save's.
   make_directory(p.partial, false);
@@ -30666,10 +30756,9 @@ DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
 }
 
 DTRAIN_DETAIL_INLINE double tier::join_writer(pending_save& p) {
-  if (!p.writer.joinable()) return 0;
-  const auto start = std::chrono::steady_clock::now();
-  p.writer.join();
-  return seconds_since(start);
+  if (!p.on_writer) return 0;
+  p.on_writer = false;
+  return writer_.wait();
 }
 
 }  // namespace dtrain::detail::ckpt
@@ -30867,7 +30956,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> disk_tier::files(std::ui
 
 DTRAIN_DETAIL_INLINE void disk_tier::finish(std::unique_ptr<pending_save> owned, bool next_save) {
   pending_save& p = *owned;
-  if (p.writer.joinable()) {
+  if (p.on_writer) {
     const double waited = join_writer(p);
     if (next_save) context_.timings.writer_wait_seconds += waited;
     if (next_save && waited > 0.001 && !warned_slow_writer_ && context_.plane.rank() == 0) {
@@ -31074,8 +31163,9 @@ class memory_tier final : public tier {
   [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
 
  protected:
-  /// Writes into the copy seal() set aside, when there is one, in place.
-  bool open_staging(const pending_save& p) override;
+  /// Writes into the copy seal() set aside, when there is one, in place
+  /// (p.partial becomes it).
+  bool open_staging(pending_save& p) override;
   /// The copy's manifest, its commit (the rename), and this rank's copies
   /// beyond the 2 newest removed, but one, set aside for the next save to
   /// write over; a copy that fails is removed.
@@ -31213,6 +31303,15 @@ class memory_tier final : public tier {
   std::int64_t round_ = 0;                // this worker's (DTRAIN_RESTART_COUNT)
   std::optional<store_client> held_;
   std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
+  /// This rank's copies on its node, newest first, as this worker's saves
+  /// left them (its directory listed at its first save, and after a restore
+  /// or a save that failed: nullopt); whether a copy is set aside (spare_dir()).
+  std::optional<std::vector<std::uint64_t>> own_;
+  bool spare_ = false;
+
+  /// seal(), once `step` is committed: this rank's copies beyond the 2
+  /// newest go, but one, set aside for the next save to write over.
+  void set_aside(std::uint64_t step);
 };
 
 }  // namespace dtrain::detail::ckpt
@@ -31227,6 +31326,7 @@ class memory_tier final : public tier {
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -31240,6 +31340,8 @@ class memory_tier final : public tier {
 #include <span>
 #include <string_view>
 #include <utility>
+
+#include <unistd.h>
 
 namespace dtrain::detail::ckpt {
 
@@ -31294,28 +31396,65 @@ DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::spare_dir() const {
   return dir_ / ("spare.rank-" + std::to_string(context_.plane.rank()));
 }
 
-DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(const pending_save& p) {
+DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(pending_save& p) {
   const std::filesystem::path spare = spare_dir();
   std::error_code ec;
-  if (!std::filesystem::is_directory(spare, ec)) {
+  if (own_ ? !spare_ : !std::filesystem::is_directory(spare, ec)) {
     make_directory(p.partial, false);
     return true;  // nothing to write over yet: each file is new
   }
-  // The copy seal() set aside is this one's: its files are written over.
-  remove_checkpoint_tree(p.partial);  // a save of this step that died before
-  rename_path(spare, p.partial);
+  spare_ = false;  // taken: this save's copy
+  // The copy seal() set aside is this one's: its files are written over
+  // where they are (it is never read as a copy), and it is committed by its
+  // rename. Its manifest is written anew at the commit; a part of it not
+  // written now (the node's replicated part, when this rank no longer
+  // writes it) goes. A copy holds no other files (commit_copy()).
+  p.partial = spare;
   const std::string mine = rank_part_name(context_.plane.rank());
-  std::vector<std::filesystem::path> others;
-  for (std::filesystem::directory_iterator it(p.partial, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    const bool written = (name == mine && !p.per_rank.records.empty()) ||
-                         (name == replicated_name && p.writes_replicated);
-    if (!written) others.push_back(it->path());  // its manifest, a part not written now
+  for (const auto& [name, written] :
+       {std::pair<std::string_view, bool>{mine, !p.per_rank.records.empty()},
+        std::pair<std::string_view, bool>{replicated_name, p.writes_replicated}}) {
+    const std::filesystem::path file = spare / name;
+    if (!written && ::unlink(file.c_str()) != 0 && errno != ENOENT) {
+      fail_os("cannot remove", file, errno);
+    }
   }
-  if (ec) fail_os("cannot list", p.partial, ec.value());
-  for (const std::filesystem::path& other : others) remove_checkpoint_tree(other);
   return true;
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::set_aside(std::uint64_t step) {
+  const std::filesystem::path spare = spare_dir();
+  if (own_) {
+    // As the saves of this worker left them: no listing.
+    own_->insert(own_->begin(), step);
+    if (own_->size() <= 2) return;
+    const std::filesystem::path oldest = copy_dir(own_->back(), context_.plane.rank());
+    own_->pop_back();
+    if (spare_) {
+      remove_checkpoint_tree(oldest);
+    } else {
+      rename_path(oldest, spare);
+      spare_ = true;
+    }
+    return;
+  }
+  // The first save (or the first since a restore): the directory is listed.
+  // This rank's copies beyond the 2 newest (and any numbered after this
+  // one: an older run's), and its saves that died. One copy is set aside,
+  // renamed, for the next save to write over (open_staging()).
+  const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
+  std::error_code ec;
+  spare_ = std::filesystem::exists(spare, ec);
+  for (const std::filesystem::path& stale : stale_steps(dir_, step, 2, suffix)) {
+    if (!spare_ && stale.filename().string().ends_with(suffix)) {
+      rename_path(stale, spare);
+      spare_ = true;
+    } else {
+      remove_checkpoint_tree(stale);
+    }
+  }
+  own_.emplace();
+  for (const auto& kept : committed_steps(dir_, suffix)) own_->push_back(kept.first);
 }
 
 DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
@@ -31326,21 +31465,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
     context_.committed(true, p.step);
-    // This rank's copies beyond the 2 newest (and any numbered after this
-    // one: an older run's), and its saves that died. One copy is set aside,
-    // renamed, for the next save to write over (open_staging()).
-    const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
-    const std::filesystem::path spare = spare_dir();
-    std::error_code ec;
-    bool set_aside = std::filesystem::exists(spare, ec);
-    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix)) {
-      if (!set_aside && stale.filename().string().ends_with(suffix)) {
-        rename_path(stale, spare);
-        set_aside = true;
-      } else {
-        remove_checkpoint_tree(stale);
-      }
-    }
+    set_aside(p.step);
     if (!recut_dir_.empty()) {  // loaded at the restore: the copies are newer now
       remove_checkpoint_tree(recut_dir_);
       recut_dir_.clear();
@@ -31348,6 +31473,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
+    own_.reset();  // the directory is looked at again at the next save
     return;
   }
   // Replicated state needs no buddy: any node's copy serves (share()).
@@ -31679,6 +31805,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
                                                                       const registry& entries) {
+  own_.reset();  // a restore may commit copies (a buddy's, a share's): listed at the next save
   const bool own = entries.has_scope(checkpoint_scope::per_rank);
   const int size = context_.plane.size();
   if (own) {
@@ -31887,9 +32014,10 @@ DTRAIN_DETAIL_INLINE void memory_tier::write_part(const part_source& source,
 DTRAIN_DETAIL_INLINE void memory_tier::commit_copy(const std::filesystem::path& partial,
                                                    std::string_view manifest_text,
                                                    const std::filesystem::path& copy) {
-  atomic_file written(partial / manifest_name);
+  atomic_file written(partial / manifest_name, true);  // (the rename below commits it)
   written.write(manifest_text.data(), manifest_text.size());
   static_cast<void>(written.finish());
+  if (::rename(partial.c_str(), copy.c_str()) == 0) return;
   remove_checkpoint_tree(copy);  // an older run's copy of this step
   rename_path(partial, copy);
 }
@@ -32182,6 +32310,7 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::list(const std::vector<int>& ranks
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
     std::uint64_t step, const registry& entries) {
+  own_.reset();  // (as newest())
   if (!recut_dir_.empty()) {
     const manifest m = read_manifest(recut_dir_);
     if (m.step == step) {
@@ -32468,7 +32597,8 @@ class checkpoint {
   /// until before_update() (checkpoint_options::memory_beside_step).
   void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
   /// Throws config_error, naming `call`, when the memory copy begun at the
-  /// last step is read beside the step and had no before_update() (it is dropped).
+  /// last step is read beside the step and had no before_update() (it is
+  /// dropped, when it reads the state where it lives).
   void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
@@ -32486,6 +32616,9 @@ class checkpoint {
   detail::ckpt::tier_context context_;  // the plane, the options, the timings
   detail::ckpt::registry entries_;
   std::int64_t steps_ = 0;
+  // memory_beside_step: a memory copy began at the last step, and no
+  // before_update() (or wait()) came since.
+  bool word_due_ = false;
   detail::ckpt::disk_tier disk_;
   std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };
@@ -32684,10 +32817,17 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
-  if (!memory_ || !memory_->awaits_word()) return;
-  // The state may have changed under the copy's reader: the copy is dropped.
-  memory_->revoke_reads();
-  memory_->complete();
+  if (!word_due_) return;
+  word_due_ = false;
+  // The state may have changed under the copy's reader: the copy is
+  // dropped. (A copy that read nothing where it lives, every entry small
+  // enough to be copied at step(), stands; the call is refused all the same,
+  // so that a program is not right only while its state is small.)
+  const bool dropped = memory_->awaits_word();
+  if (dropped) {
+    memory_->revoke_reads();
+    memory_->complete();
+  }
   throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
                      ": checkpoint_options::memory_beside_step reads the state for the memory "
                      "copy of step " +
@@ -32696,7 +32836,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
                      "before this " +
                      std::string(call) +
                      ": call ckpt.before_update() before the state changes (the optimizer's "
-                     "step); that copy is not used");
+                     "step)" +
+                     (dropped ? "; that copy is not used" : ""));
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
@@ -32712,6 +32853,7 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
+  word_due_ = false;
   if (!memory_ || !memory_->awaits_word()) return;
   const double waited = memory_->release_reads();
   context_.timings.blocked_seconds += waited;
@@ -32744,7 +32886,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   } catch (const std::exception& e) {
     p->problem = e.what();
   }
-  if (beside) p->gate = std::make_unique<detail::ckpt::read_gate>();
+  // The writer waits for the training's word only when it reads the state
+  // where it lives; with every entry copied it commits as soon as it is written.
+  if (beside && (p->per_rank.reads_live || p->replicated.reads_live))
+    p->gate = std::make_unique<detail::ckpt::read_gate>();
   // A snapshot that failed is committed (refused on every rank) now, as a synchronous save is.
   const bool failed = !p->problem.empty();
   t.write(std::move(p), asynchronous);
@@ -32765,6 +32910,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
   save_into(*memory_, memory_slot, context_.options.memory_beside_step);
+  word_due_ = context_.options.memory_beside_step;
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
@@ -32788,6 +32934,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save() {
 
 DTRAIN_DETAIL_INLINE void checkpoint::wait() {
   const auto start = std::chrono::steady_clock::now();
+  word_due_ = false;  // the training waits here: a copy read beside the step is released
   if (memory_) memory_->complete();
   const auto commit_start = std::chrono::steady_clock::now();
   disk_.complete();

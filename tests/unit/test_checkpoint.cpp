@@ -1058,6 +1058,66 @@ TEST_CASE("checkpoint: a memory copy read beside the step with no before_update(
         std::string::npos);
 }
 
+TEST_CASE(
+    "checkpoint: a small state's memory copy beside the step commits without waiting, and the "
+    "missing before_update() is refused all the same") {
+  scratch_dir disk, memory;
+  const auto failures = on_ranks(1, [&](dtrain::control_plane plane, int) {
+    std::vector<float> weight(16);  // every entry under 64 KiB: copied at step()
+    std::int64_t counter = 0;
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_beside_step = true,
+                                 .memory_dir = memory.path / "node0"});
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    std::ranges::fill(weight, 1.0f);
+    counter = 1;
+    c.step();
+    // Nothing is read where it lives: the copy commits with no word from the
+    // training (within 10 s; a copy that waited for before_update() never would).
+    const fs::path manifest = memory_copy(memory.path, 0, 1) / "MANIFEST";
+    for (int i = 0; i < 1000 && !fs::exists(manifest); ++i) std::this_thread::sleep_for(10ms);
+    CHECK(fs::exists(manifest));
+    std::ranges::fill(weight, 99.0f);
+    counter = 99;
+    // The program that forgot before_update() is told now, not once its state grows.
+    std::string said;
+    try {
+      c.step();
+    } catch (const dtrain::config_error& e) {
+      said = e.what();
+    }
+    CHECK(said.find("no before_update() came before this step()") != std::string::npos);
+    CHECK(said.find("not used") == std::string::npos);  // the copy read nothing that changed
+    CHECK(c.memory_failures() == 0);
+    CHECK(c.steps() == 1);
+    // Said once: with the call, the steps go on.
+    c.before_update();
+    c.step();
+    c.before_update();
+    c.step();
+    c.wait();
+    CHECK(c.steps() == 3);
+  });
+  CHECK(failures == std::vector<std::string>{""});
+  // Step 3's copy holds what step() saw.
+  const auto restored = on_ranks(1, [&](dtrain::control_plane plane, int) {
+    std::vector<float> weight(16);
+    std::int64_t counter = 0;
+    dtrain::checkpoint c(
+        plane,
+        {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = memory.path / "node0"});
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    const auto step = c.restore();
+    REQUIRE(step);
+    CHECK(*step == 3);
+    CHECK(weight.front() == 99.0f);
+    CHECK(counter == 99);
+  });
+  CHECK(restored == std::vector<std::string>{""});
+}
+
 TEST_CASE("checkpoint: a memory copy is written over the one set aside, whole at its new length") {
   scratch_dir disk, memory;
   // A per-rank entry of bytes whose length changes from step to step: long

@@ -191,10 +191,17 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
-  if (!memory_ || !memory_->awaits_word()) return;
-  // The state may have changed under the copy's reader: the copy is dropped.
-  memory_->revoke_reads();
-  memory_->complete();
+  if (!word_due_) return;
+  word_due_ = false;
+  // The state may have changed under the copy's reader: the copy is
+  // dropped. (A copy that read nothing where it lives, every entry small
+  // enough to be copied at step(), stands; the call is refused all the same,
+  // so that a program is not right only while its state is small.)
+  const bool dropped = memory_->awaits_word();
+  if (dropped) {
+    memory_->revoke_reads();
+    memory_->complete();
+  }
   throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
                      ": checkpoint_options::memory_beside_step reads the state for the memory "
                      "copy of step " +
@@ -203,7 +210,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
                      "before this " +
                      std::string(call) +
                      ": call ckpt.before_update() before the state changes (the optimizer's "
-                     "step); that copy is not used");
+                     "step)" +
+                     (dropped ? "; that copy is not used" : ""));
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
@@ -219,6 +227,7 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
+  word_due_ = false;
   if (!memory_ || !memory_->awaits_word()) return;
   const double waited = memory_->release_reads();
   context_.timings.blocked_seconds += waited;
@@ -251,7 +260,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   } catch (const std::exception& e) {
     p->problem = e.what();
   }
-  if (beside) p->gate = std::make_unique<detail::ckpt::read_gate>();
+  // The writer waits for the training's word only when it reads the state
+  // where it lives; with every entry copied it commits as soon as it is written.
+  if (beside && (p->per_rank.reads_live || p->replicated.reads_live))
+    p->gate = std::make_unique<detail::ckpt::read_gate>();
   // A snapshot that failed is committed (refused on every rank) now, as a synchronous save is.
   const bool failed = !p->problem.empty();
   t.write(std::move(p), asynchronous);
@@ -272,6 +284,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
   save_into(*memory_, memory_slot, context_.options.memory_beside_step);
+  word_due_ = context_.options.memory_beside_step;
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
@@ -295,6 +308,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save() {
 
 DTRAIN_DETAIL_INLINE void checkpoint::wait() {
   const auto start = std::chrono::steady_clock::now();
+  word_due_ = false;  // the training waits here: a copy read beside the step is released
   if (memory_) memory_->complete();
   const auto commit_start = std::chrono::steady_clock::now();
   disk_.complete();

@@ -304,7 +304,8 @@ class checkpoint {
   /// until before_update() (checkpoint_options::memory_beside_step).
   void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
   /// Throws config_error, naming `call`, when the memory copy begun at the
-  /// last step is read beside the step and had no before_update() (it is dropped).
+  /// last step is read beside the step and had no before_update() (it is
+  /// dropped, when it reads the state where it lives).
   void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
@@ -322,6 +323,9 @@ class checkpoint {
   detail::ckpt::tier_context context_;  // the plane, the options, the timings
   detail::ckpt::registry entries_;
   std::int64_t steps_ = 0;
+  // memory_beside_step: a memory copy began at the last step, and no
+  // before_update() (or wait()) came since.
+  bool word_due_ = false;
   detail::ckpt::disk_tier disk_;
   std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };

@@ -124,7 +124,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> disk_tier::files(std::ui
 
 DTRAIN_DETAIL_INLINE void disk_tier::finish(std::unique_ptr<pending_save> owned, bool next_save) {
   pending_save& p = *owned;
-  if (p.writer.joinable()) {
+  if (p.on_writer) {
     const double waited = join_writer(p);
     if (next_save) context_.timings.writer_wait_seconds += waited;
     if (next_save && waited > 0.001 && !warned_slow_writer_ && context_.plane.rank() == 0) {

@@ -174,12 +174,9 @@ DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
 }
 
 DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path, bool in_place)
-    : path_(std::move(path)), part_(path_.string() + ".part"), in_place_(in_place) {
-  // In place: PATH, if there is one, is the file written over (a rename:
-  // whatever happens next, PATH is never a file half written).
-  if (in_place_ && ::rename(path_.c_str(), part_.c_str()) != 0 && errno != ENOENT) {
-    fail_os("cannot rename, to write over,", path_, errno);
-  }
+    : path_(std::move(path)),
+      part_(in_place ? path_ : std::filesystem::path(path_.string() + ".part")),
+      in_place_(in_place) {
   fd_.reset(
       ::open(part_.c_str(), O_WRONLY | O_CREAT | (in_place_ ? 0 : O_TRUNC) | O_CLOEXEC, 0644));
   if (!fd_) fail_os("cannot create", part_, errno);
@@ -188,7 +185,7 @@ DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path, bool i
 DTRAIN_DETAIL_INLINE atomic_file::~atomic_file() {
   if (fd_) {
     fd_.reset();
-    ::unlink(part_.c_str());
+    ::unlink(part_.c_str());  // (in place: a file half written, of a copy not committed)
   }
 }
 
@@ -205,17 +202,22 @@ DTRAIN_DETAIL_INLINE void atomic_file::write(const void* data, std::size_t n) {
 
 DTRAIN_DETAIL_INLINE file_record atomic_file::finish() {
   flush();
-  if (in_place_ && ::ftruncate(fd_.get(), static_cast<::off_t>(bytes_)) != 0) {
-    fail_os("cannot cut to its length", part_, errno);
+  if (in_place_) {  // cut to its length (a file written over may be longer)
+    struct ::stat st {};
+    if (::fstat(fd_.get(), &st) != 0) fail_os("cannot look at", part_, errno);
+    if (static_cast<std::uint64_t>(st.st_size) != bytes_ &&
+        ::ftruncate(fd_.get(), static_cast<::off_t>(bytes_)) != 0) {
+      fail_os("cannot cut to its length", part_, errno);
+    }
   }
-  if (::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
+  if (!in_place_ && ::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
   if (::close(fd_.get()) != 0) {
     const int err = errno;
     static_cast<void>(fd_.release());
     fail_os("cannot close", part_, err);
   }
   static_cast<void>(fd_.release());
-  rename_path(part_, path_);
+  if (!in_place_) rename_path(part_, path_);
   return {path_.filename().string(), bytes_, checksum_.value()};
 }
 

@@ -164,11 +164,17 @@ struct file_record {
 /// finish(). Everything written goes through the checksum. Destroyed before
 /// finish(), it removes PATH.part.
 ///
-/// `in_place`: a file already at PATH (of a copy taken apart to be written
-/// again: the memory tier's) becomes PATH.part and is written over, not
-/// truncated first, and cut to its new length at finish(): in a tmpfs its
-/// pages are used again, where a new file's are allocated and zeroed (and
-/// the old one's freed), which costs more than the write itself.
+/// `in_place` (the memory tier's): PATH itself is written, over the file
+/// there if any (of a copy set aside to be written again), not truncated
+/// first, and cut to its new length at finish(); not fsync'd, and not
+/// renamed. In a tmpfs a file's pages are used again, where a new file's are
+/// allocated and zeroed (and the old one's freed), which costs more than the
+/// write itself. The file's directory is what commits it (a memory copy's
+/// directory is renamed whole once its manifest is written), so a writer
+/// killed half way leaves a file no copy names; and a memory copy is to
+/// outlive its worker's process, not the machine, so the page cache holds it
+/// once write() returns: an fsync and two renames per file were most of what a
+/// small copy cost.
 class atomic_file {
  public:
   explicit atomic_file(std::filesystem::path path, bool in_place = false);

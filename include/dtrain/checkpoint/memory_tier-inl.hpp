@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -26,6 +27,8 @@
 #include <span>
 #include <string_view>
 #include <utility>
+
+#include <unistd.h>
 
 namespace dtrain::detail::ckpt {
 
@@ -80,28 +83,65 @@ DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::spare_dir() const {
   return dir_ / ("spare.rank-" + std::to_string(context_.plane.rank()));
 }
 
-DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(const pending_save& p) {
+DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(pending_save& p) {
   const std::filesystem::path spare = spare_dir();
   std::error_code ec;
-  if (!std::filesystem::is_directory(spare, ec)) {
+  if (own_ ? !spare_ : !std::filesystem::is_directory(spare, ec)) {
     make_directory(p.partial, false);
     return true;  // nothing to write over yet: each file is new
   }
-  // The copy seal() set aside is this one's: its files are written over.
-  remove_checkpoint_tree(p.partial);  // a save of this step that died before
-  rename_path(spare, p.partial);
+  spare_ = false;  // taken: this save's copy
+  // The copy seal() set aside is this one's: its files are written over
+  // where they are (it is never read as a copy), and it is committed by its
+  // rename. Its manifest is written anew at the commit; a part of it not
+  // written now (the node's replicated part, when this rank no longer
+  // writes it) goes. A copy holds no other files (commit_copy()).
+  p.partial = spare;
   const std::string mine = rank_part_name(context_.plane.rank());
-  std::vector<std::filesystem::path> others;
-  for (std::filesystem::directory_iterator it(p.partial, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    const bool written = (name == mine && !p.per_rank.records.empty()) ||
-                         (name == replicated_name && p.writes_replicated);
-    if (!written) others.push_back(it->path());  // its manifest, a part not written now
+  for (const auto& [name, written] :
+       {std::pair<std::string_view, bool>{mine, !p.per_rank.records.empty()},
+        std::pair<std::string_view, bool>{replicated_name, p.writes_replicated}}) {
+    const std::filesystem::path file = spare / name;
+    if (!written && ::unlink(file.c_str()) != 0 && errno != ENOENT) {
+      fail_os("cannot remove", file, errno);
+    }
   }
-  if (ec) fail_os("cannot list", p.partial, ec.value());
-  for (const std::filesystem::path& other : others) remove_checkpoint_tree(other);
   return true;
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::set_aside(std::uint64_t step) {
+  const std::filesystem::path spare = spare_dir();
+  if (own_) {
+    // As the saves of this worker left them: no listing.
+    own_->insert(own_->begin(), step);
+    if (own_->size() <= 2) return;
+    const std::filesystem::path oldest = copy_dir(own_->back(), context_.plane.rank());
+    own_->pop_back();
+    if (spare_) {
+      remove_checkpoint_tree(oldest);
+    } else {
+      rename_path(oldest, spare);
+      spare_ = true;
+    }
+    return;
+  }
+  // The first save (or the first since a restore): the directory is listed.
+  // This rank's copies beyond the 2 newest (and any numbered after this
+  // one: an older run's), and its saves that died. One copy is set aside,
+  // renamed, for the next save to write over (open_staging()).
+  const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
+  std::error_code ec;
+  spare_ = std::filesystem::exists(spare, ec);
+  for (const std::filesystem::path& stale : stale_steps(dir_, step, 2, suffix)) {
+    if (!spare_ && stale.filename().string().ends_with(suffix)) {
+      rename_path(stale, spare);
+      spare_ = true;
+    } else {
+      remove_checkpoint_tree(stale);
+    }
+  }
+  own_.emplace();
+  for (const auto& kept : committed_steps(dir_, suffix)) own_->push_back(kept.first);
 }
 
 DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
@@ -112,21 +152,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
     context_.committed(true, p.step);
-    // This rank's copies beyond the 2 newest (and any numbered after this
-    // one: an older run's), and its saves that died. One copy is set aside,
-    // renamed, for the next save to write over (open_staging()).
-    const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
-    const std::filesystem::path spare = spare_dir();
-    std::error_code ec;
-    bool set_aside = std::filesystem::exists(spare, ec);
-    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix)) {
-      if (!set_aside && stale.filename().string().ends_with(suffix)) {
-        rename_path(stale, spare);
-        set_aside = true;
-      } else {
-        remove_checkpoint_tree(stale);
-      }
-    }
+    set_aside(p.step);
     if (!recut_dir_.empty()) {  // loaded at the restore: the copies are newer now
       remove_checkpoint_tree(recut_dir_);
       recut_dir_.clear();
@@ -134,6 +160,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
+    own_.reset();  // the directory is looked at again at the next save
     return;
   }
   // Replicated state needs no buddy: any node's copy serves (share()).
@@ -465,6 +492,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
                                                                       const registry& entries) {
+  own_.reset();  // a restore may commit copies (a buddy's, a share's): listed at the next save
   const bool own = entries.has_scope(checkpoint_scope::per_rank);
   const int size = context_.plane.size();
   if (own) {
@@ -673,9 +701,10 @@ DTRAIN_DETAIL_INLINE void memory_tier::write_part(const part_source& source,
 DTRAIN_DETAIL_INLINE void memory_tier::commit_copy(const std::filesystem::path& partial,
                                                    std::string_view manifest_text,
                                                    const std::filesystem::path& copy) {
-  atomic_file written(partial / manifest_name);
+  atomic_file written(partial / manifest_name, true);  // (the rename below commits it)
   written.write(manifest_text.data(), manifest_text.size());
   static_cast<void>(written.finish());
+  if (::rename(partial.c_str(), copy.c_str()) == 0) return;
   remove_checkpoint_tree(copy);  // an older run's copy of this step
   rename_path(partial, copy);
 }
@@ -968,6 +997,7 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::list(const std::vector<int>& ranks
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
     std::uint64_t step, const registry& entries) {
+  own_.reset();  // (as newest())
   if (!recut_dir_.empty()) {
     const manifest m = read_manifest(recut_dir_);
     if (m.step == step) {

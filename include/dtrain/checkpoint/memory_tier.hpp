@@ -71,8 +71,9 @@ class memory_tier final : public tier {
   [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
 
  protected:
-  /// Writes into the copy seal() set aside, when there is one, in place.
-  bool open_staging(const pending_save& p) override;
+  /// Writes into the copy seal() set aside, when there is one, in place
+  /// (p.partial becomes it).
+  bool open_staging(pending_save& p) override;
   /// The copy's manifest, its commit (the rename), and this rank's copies
   /// beyond the 2 newest removed, but one, set aside for the next save to
   /// write over; a copy that fails is removed.
@@ -210,6 +211,15 @@ class memory_tier final : public tier {
   std::int64_t round_ = 0;                // this worker's (DTRAIN_RESTART_COUNT)
   std::optional<store_client> held_;
   std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
+  /// This rank's copies on its node, newest first, as this worker's saves
+  /// left them (its directory listed at its first save, and after a restore
+  /// or a save that failed: nullopt); whether a copy is set aside (spare_dir()).
+  std::optional<std::vector<std::uint64_t>> own_;
+  bool spare_ = false;
+
+  /// seal(), once `step` is committed: this rank's copies beyond the 2
+  /// newest go, but one, set aside for the next save to write over.
+  void set_aside(std::uint64_t step);
 };
 
 }  // namespace dtrain::detail::ckpt

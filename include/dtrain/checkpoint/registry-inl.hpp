@@ -143,6 +143,8 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, st
       void* to = e.staged[slot].reserve(e.values.bytes());
       copies.push_back({to, e.values.data, e.values.bytes()});
       r.data = to;
+    } else if (r.bytes > 0) {
+      out.reads_live = true;
     }
     out.records.push_back(r);
   }

@@ -41,6 +41,7 @@ struct part_record {
 struct part_snapshot {
   std::vector<part_record> records;
   std::vector<std::string> owned;  // bytes entries' save() results
+  bool reads_live = false;         // a record points at an entry's live memory
 };
 
 /// The entries one rank registered with its checkpoint, in the order added.

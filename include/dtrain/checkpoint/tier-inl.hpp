@@ -108,10 +108,57 @@ DTRAIN_DETAIL_INLINE bool read_gate::decided() const {
   return word_.has_value();
 }
 
+DTRAIN_DETAIL_INLINE save_writer::~save_writer() {
+  {
+    const std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void save_writer::start(std::function<void()> job) {
+  {
+    const std::lock_guard lock(mutex_);
+    job_ = std::move(job);
+    running_ = true;
+  }
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { run(); });
+  } else {
+    changed_.notify_all();
+  }
+}
+
+DTRAIN_DETAIL_INLINE double save_writer::wait() {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return !running_; });
+  return seconds_since(start);
+}
+
+DTRAIN_DETAIL_INLINE void save_writer::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [this] { return stop_ || job_; });
+    if (!job_) return;  // stopped, with nothing left to run
+    std::function<void()> job = std::move(job_);
+    job_ = nullptr;
+    lock.unlock();
+    job();  // (it catches what it throws: a save's problem is its pending_save's)
+    lock.lock();
+    running_ = false;
+    changed_.notify_all();
+  }
+}
+
 DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asynchronous) {
   pending_ = std::move(p);
   if (!pending_->problem.empty()) return;
   auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
+    // With nothing to read where it lives (every entry copied), the
+    // training may change the state at once.
+    if (p.gate && !p.per_rank.reads_live && !p.replicated.reads_live) p.gate->read_done();
     try {
       const bool in_place = open_staging(p);
       if (!p.per_rank.records.empty()) {
@@ -137,13 +184,14 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
     seal(p);
   };
   if (asynchronous) {
-    pending_->writer = std::thread(std::move(job));
+    pending_->on_writer = true;
+    writer_.start(std::move(job));
   } else {
     job();
   }
 }
 
-DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
+DTRAIN_DETAIL_INLINE bool tier::open_staging(pending_save& p) {
   // A save of this step that died before may have left the directory:
   // its files are overwritten, and the manifest lists only this save's.
   make_directory(p.partial, false);
@@ -151,10 +199,9 @@ DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
 }
 
 DTRAIN_DETAIL_INLINE double tier::join_writer(pending_save& p) {
-  if (!p.writer.joinable()) return 0;
-  const auto start = std::chrono::steady_clock::now();
-  p.writer.join();
-  return seconds_since(start);
+  if (!p.on_writer) return 0;
+  p.on_writer = false;
+  return writer_.wait();
 }
 
 }  // namespace dtrain::detail::ckpt

@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -54,6 +55,33 @@ class read_gate {
   std::optional<bool> word_;
 };
 
+/// The thread that writes a tier's asynchronous saves, one at a time:
+/// started at the first, and kept for the tier's life (a thread started for
+/// each save cost more than writing a small state; a memory copy may be
+/// taken at every step). Thread-safe.
+class save_writer {
+ public:
+  save_writer() = default;
+  save_writer(const save_writer&) = delete;
+  save_writer& operator=(const save_writer&) = delete;
+  /// Lets the job in hand, if any, end, and ends the thread.
+  ~save_writer();
+  /// Runs `job` on the thread; the job before has been waited for.
+  void start(std::function<void()> job);
+  /// Waits until the job started last has run; returns the seconds waited.
+  double wait();
+
+ private:
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> job_;  // to run; empty: none
+  bool running_ = false;       // job_ taken, not done
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
@@ -62,8 +90,8 @@ struct pending_save {
   bool writes_replicated = false;  // this rank writes the replicated part too
   part_snapshot per_rank, replicated;
   std::optional<file_record> per_rank_file, replicated_file;
-  std::string problem;  // this rank's, from its snapshot or its write
-  std::thread writer;   // an asynchronous save's
+  std::string problem;     // this rank's, from its snapshot or its write
+  bool on_writer = false;  // an asynchronous save's: written on the tier's save_writer
   /// Set when the writer reads the state itself (read_gate): sealed once released.
   std::unique_ptr<read_gate> gate;
 };
@@ -165,19 +193,22 @@ class tier {
 
  protected:
   /// On the writer's thread, before this rank's parts of `p` are written:
-  /// makes p.partial, and says whether files there are written over in
-  /// place (atomic_file's `in_place`) rather than made anew.
-  virtual bool open_staging(const pending_save& p);
+  /// makes p.partial (or points it at a directory to write over: the
+  /// memory tier's copy set aside), and says whether files there are
+  /// written in place (atomic_file's `in_place`: the directory's rename
+  /// commits them) rather than each made anew and renamed.
+  virtual bool open_staging(pending_save& p);
   /// After this rank's parts of `p` are written, or failed (p.problem), on
   /// the writer's thread: what the tier does alone (a memory copy commits here).
   virtual void seal(pending_save& p) { static_cast<void>(p); }
   /// On the training thread: the commit of `p` (the writer may still run).
   virtual void finish(std::unique_ptr<pending_save> p, bool next_save) = 0;
-  /// Joins `p`'s writer; returns the seconds waited.
-  static double join_writer(pending_save& p);
+  /// Waits for `p`'s writer; returns the seconds waited.
+  double join_writer(pending_save& p);
 
   tier_context& context_;
   std::unique_ptr<pending_save> pending_;  // the save in flight
+  save_writer writer_;  // (destroyed after the derived tier: its saves are ended)
 };
 
 }  // namespace dtrain::detail::ckpt
