@@ -35,6 +35,11 @@
 #   disk_full    the checkpoint directory on a 3 MiB tmpfs (needs root): the
 #                second save finds no space, the job fails naming the path, and
 #                the first checkpoint still resumes. Skipped (77) without mount.
+#   memory_full  the memory tier (DTRAIN_MEMORY_CHECKPOINT_DIR) on a 4 MiB tmpfs
+#                (needs root), a copy every step of a 2.4 MB state: the first
+#                copy fits, the next find no room, which each rank says, by
+#                path, once; no worker dies, and the job ends 0 with the
+#                uninterrupted run's checksum. Skipped (77) without mount.
 set -uo pipefail
 
 case_name=$1
@@ -262,6 +267,30 @@ case $case_name in
     grep -q "resumed from $dir/step-30" "$work/after.log" ||
       { cat "$work/after.log"; fail "the checkpoint before the full disk was not used"; }
     echo "disk full: the job failed naming the path; step-30 still resumes"
+    ;;
+
+  memory_full)
+    dir="$work/small-memory"
+    mkdir -p "$dir"
+    if ! mount -t tmpfs -o size=4m tmpfs "$dir" 2>/dev/null; then
+      echo "SKIPPED: cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)"
+      exit 77
+    fi
+    mounted=$dir
+    # Rank 0 writes the replicated part: 1.2 MB of values and as much momentum.
+    cmd=("$train" --nproc-per-node 2 "${model[@]}" --hidden 512)
+    want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
+    DTRAIN_MEMORY_CHECKPOINT_DIR=$dir run_logged "$work/full.log" "${cmd[@]}" \
+      --checkpoint-dir "$work/ckpt" --memory-every 1
+    status=$?
+    grep -E "memory|checksum|restarting|signal" "$work/full.log" | head -n 5
+    ((status == 0)) || { cat "$work/full.log"; fail "the job exited $status with its memory full"; }
+    grep -q "its memory copy of step [0-9]* was not written (.*$dir/.*No space left on device" \
+      "$work/full.log" || { cat "$work/full.log"; fail "the full memory was not said, by path"; }
+    ! grep -q "restarting" "$work/full.log" || fail "a worker died"
+    got=$(checksum_of "$work/full.log")
+    [[ $got == "$want" ]] || fail "checksum $got, uninterrupted $want"
+    echo "memory full: said by name, no worker died, checksum $got as uninterrupted"
     ;;
 
   *)
