@@ -124,6 +124,17 @@ kill_worker_after() {
   echo "killed worker $victim of ${#workers[@]} $what"
 }
 
+# mount_small <dir> <size>: a tmpfs of <size> at <dir>, unmounted at the end;
+# without root (mount), the case is skipped (exit 77).
+mount_small() {
+  mkdir -p "$1"
+  if ! mount -t tmpfs -o "size=$2" tmpfs "$1" 2>/dev/null; then
+    echo "SKIPPED: cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)"
+    exit 77
+  fi
+  mounted=$1
+}
+
 reference() {  # <log> <command>...: an uninterrupted run's checksum
   local log=$1
   shift
@@ -249,12 +260,7 @@ case $case_name in
 
   disk_full)
     dir="$work/small"
-    mkdir -p "$dir"
-    if ! mount -t tmpfs -o size=3m tmpfs "$dir" 2>/dev/null; then
-      echo "SKIPPED: cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)"
-      exit 77
-    fi
-    mounted=$dir
+    mount_small "$dir" 3m
     cmd=("$train" --nproc-per-node 2 "${model[@]}" --hidden 512)
     run_logged "$work/full.log" "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 30
     status=$?
@@ -271,12 +277,7 @@ case $case_name in
 
   memory_full)
     dir="$work/small-memory"
-    mkdir -p "$dir"
-    if ! mount -t tmpfs -o size=4m tmpfs "$dir" 2>/dev/null; then
-      echo "SKIPPED: cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)"
-      exit 77
-    fi
-    mounted=$dir
+    mount_small "$dir" 4m
     # Rank 0 writes the replicated part: 1.2 MB of values and as much momentum.
     cmd=("$train" --nproc-per-node 2 "${model[@]}" --hidden 512)
     want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1

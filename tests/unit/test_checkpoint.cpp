@@ -979,6 +979,16 @@ std::vector<std::array<double, 3>> restore_beside(const fs::path& disk, const fs
   for (const auto& f : failures) CHECK(f == "");
   return got;
 }
+
+/// A checkpoint's options with a memory copy every step, in node<rank> of
+/// `memory`, read beside the step.
+dtrain::checkpoint_options beside_options(const fs::path& disk, const fs::path& memory, int rank) {
+  return {.dir = disk,
+          .quiet = true,
+          .memory_every = 1,
+          .memory_beside_step = true,
+          .memory_dir = memory / ("node" + std::to_string(rank))};
+}
 }  // namespace
 
 TEST_CASE("checkpoint: a memory copy read beside the step holds the state step() saw") {
@@ -987,11 +997,7 @@ TEST_CASE("checkpoint: a memory copy read beside the step holds the state step()
   const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     std::vector<float> weight(large);
     std::int64_t counter = 0;  // 8 bytes: copied in step()
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_beside_step = true,
-                                 .memory_dir = memory.path / ("node" + std::to_string(rank))});
+    dtrain::checkpoint c(plane, beside_options(disk.path, memory.path, rank));
     c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
     for (int step = 1; step <= 4; ++step) {
       std::ranges::fill(weight, static_cast<float>(step));  // the optimizer's step
@@ -1020,11 +1026,7 @@ TEST_CASE("checkpoint: a memory copy read beside the step with no before_update(
   const auto failures = on_ranks(1, [&](dtrain::control_plane plane, int) {
     std::vector<float> weight(large);
     std::int64_t counter = 0;
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_beside_step = true,
-                                 .memory_dir = memory.path / "node0"});
+    dtrain::checkpoint c(plane, beside_options(disk.path, memory.path, 0));
     c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
     for (int step = 1; step <= 3; ++step) {
       std::ranges::fill(weight, static_cast<float>(step));
@@ -1065,11 +1067,7 @@ TEST_CASE(
   const auto failures = on_ranks(1, [&](dtrain::control_plane plane, int) {
     std::vector<float> weight(16);  // every entry under 64 KiB: copied at step()
     std::int64_t counter = 0;
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_beside_step = true,
-                                 .memory_dir = memory.path / "node0"});
+    dtrain::checkpoint c(plane, beside_options(disk.path, memory.path, 0));
     c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
     std::ranges::fill(weight, 1.0f);
     counter = 1;
@@ -1102,20 +1100,8 @@ TEST_CASE(
   });
   CHECK(failures == std::vector<std::string>{""});
   // Step 3's copy holds what step() saw.
-  const auto restored = on_ranks(1, [&](dtrain::control_plane plane, int) {
-    std::vector<float> weight(16);
-    std::int64_t counter = 0;
-    dtrain::checkpoint c(
-        plane,
-        {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = memory.path / "node0"});
-    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
-    const auto step = c.restore();
-    REQUIRE(step);
-    CHECK(*step == 3);
-    CHECK(weight.front() == 99.0f);
-    CHECK(counter == 99);
-  });
-  CHECK(restored == std::vector<std::string>{""});
+  const auto got = restore_beside(disk.path, memory.path, 16, 1);
+  CHECK(got.front() == std::array<double, 3>{3, 99, 99});
 }
 
 TEST_CASE("checkpoint: a memory copy is written over the one set aside, whole at its new length") {

@@ -123,10 +123,17 @@ DTRAIN_DETAIL_INLINE void save_writer::start(std::function<void()> job) {
     job_ = std::move(job);
     running_ = true;
   }
-  if (!thread_.joinable()) {
-    thread_ = std::thread([this] { run(); });
-  } else {
+  if (thread_.joinable()) {
     changed_.notify_all();
+    return;
+  }
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (...) {  // no thread: no job in hand, or wait() would never return
+    const std::lock_guard lock(mutex_);
+    job_ = nullptr;
+    running_ = false;
+    throw;
   }
 }
 
@@ -156,9 +163,6 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
   pending_ = std::move(p);
   if (!pending_->problem.empty()) return;
   auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
-    // With nothing to read where it lives (every entry copied), the
-    // training may change the state at once.
-    if (p.gate && !p.per_rank.reads_live && !p.replicated.reads_live) p.gate->read_done();
     try {
       const bool in_place = open_staging(p);
       if (!p.per_rank.records.empty()) {
@@ -184,8 +188,8 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
     seal(p);
   };
   if (asynchronous) {
-    pending_->on_writer = true;
     writer_.start(std::move(job));
+    pending_->on_writer = true;
   } else {
     job();
   }
