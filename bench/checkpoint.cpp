@@ -30,6 +30,13 @@
 // next step, which calls checkpoint::before_update() before it changes the
 // state.
 //
+// Table 3, what a small copy costs: a state of --small-kib KiB per rank (a
+// values entry and a bytes entry, half each, as the demo's weights and
+// optimizer), --small-steps steps that spin --small-step-us each (no
+// collective: the copy alone), without checkpoints, with a memory copy every
+// step on the training thread, and read beside the step; microseconds per
+// step and per step() (checkpoint::timings().memory_seconds), rank 0's.
+//
 // DIR defaults to a new directory under TMPDIR (or /tmp); what the table
 // measures is that file system, with its page cache: say which in a report.
 
@@ -46,6 +53,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -68,6 +76,9 @@ struct settings {
   int every = 10;
   bool spin = false;
   int copy_threads = 0;  // checkpoint_options::copy_threads of the asynchronous saves
+  std::size_t small_kib = 56;
+  int small_steps = 2000;
+  double small_step_us = 40;
 };
 
 const dtrain_bench::flag_reader flags{"dtrain_bench_checkpoint"};
@@ -77,7 +88,8 @@ settings parse(int argc, char** argv) {
   flags.each(
       argc, argv,
       "usage: dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5] "
-      "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin] [--copy-threads N]",
+      "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin] [--copy-threads N] "
+      "[--small-kib 56] [--small-steps 2000] [--small-step-us 40]",
       [&](std::string_view flag, std::string_view value) {
         if (flag == "--dir") {
           s.dir = value;
@@ -110,6 +122,18 @@ settings parse(int argc, char** argv) {
         }
         if (flag == "--copy-threads") {
           s.copy_threads = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--small-kib") {
+          s.small_kib = flags.positive<std::size_t>(flag, value);
+          return true;
+        }
+        if (flag == "--small-steps") {
+          s.small_steps = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--small-step-us") {
+          s.small_step_us = flags.positive<double>(flag, value);
           return true;
         }
         if (flag == "--compute") {
@@ -149,7 +173,75 @@ void spin(double ms) {
   const auto until = clock_type::now() + std::chrono::duration<double, std::milli>(ms);
   volatile double x = 1.0;
   while (clock_type::now() < until) {
-    for (int i = 0; i < 1000; ++i) x = x * 1.0000001 + 1e-9;
+    for (int i = 0; i < 10; ++i) x = x * 1.0000001 + 1e-9;
+  }
+}
+
+/// Table 3 (the file's comment): rank 0 prints it.
+void small_copies(dtrain::context<Policy>& ctx, const settings& s) {
+  const std::size_t half = s.small_kib * 1024 / 2;
+  std::vector<float> values(half / sizeof(float), 1.0f);
+  std::string optimizer(half, 'm');
+  struct row {
+    double step_us = 0, copy_us = 0;
+  };
+  // mode 0: none; 1: a copy every step; 2: read beside the step.
+  auto run_mode = [&](int mode) {
+    std::optional<dtrain::checkpoint> c;
+    if (mode > 0) {
+      c.emplace(ctx,
+                dtrain::checkpoint_options{.dir = s.dir / "table3-disk",
+                                           .quiet = true,
+                                           .memory_every = 1,
+                                           .memory_beside_step = mode == 2,
+                                           .memory_dir = std::getenv("DTRAIN_MEMORY_CHECKPOINT_DIR")
+                                                             ? std::filesystem::path()
+                                                             : s.dir / "table3-memory"});
+      c->add("values", values)
+          .add(
+              "optimizer", [&] { return optimizer; }, [&](std::string_view) {});
+      c->step();  // the first copy makes the files: not timed
+      c->before_update();
+      c->step();
+      c->before_update();
+    }
+    ctx.barrier();
+    const double copy_before = c ? c->timings().memory_seconds : 0;
+    const auto start = clock_type::now();
+    for (int step = 0; step < s.small_steps; ++step) {
+      spin(s.small_step_us / 1e3);
+      if (c) c->before_update();
+      values[static_cast<std::size_t>(step) % values.size()] += 1.0f;
+      if (c) c->step();
+    }
+    row out;
+    out.step_us = 1e6 * seconds_since(start) / s.small_steps;
+    if (c) out.copy_us = 1e6 * (c->timings().memory_seconds - copy_before) / s.small_steps;
+    ctx.barrier();
+    return out;
+  };
+  std::array<std::vector<row>, 3> rows;
+  for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
+    for (int mode = 0; mode < 3; ++mode)
+      rows[static_cast<std::size_t>(mode)].push_back(run_mode(mode));
+  }
+  if (!ctx.is_main()) return;
+  auto pick = [](const std::vector<row>& runs, double row::*field) {
+    std::vector<double> v;
+    for (const row& r : runs) v.push_back(r.*field);
+    return median(v);
+  };
+  const double none = pick(rows[0], &row::step_us);
+  std::printf(
+      "\nA small state's memory copy: %zu KiB per rank, %d steps of %.0f us (spin), no "
+      "collective:\n\n| checkpoints | step time | ratio | step() |\n| --- | ---: | ---: | ---: |\n",
+      s.small_kib, s.small_steps, s.small_step_us);
+  std::printf("| none | %.1f us | 1.00 | |\n", none);
+  const char* names[] = {"", "memory tier, a copy every step", "memory tier, read beside the step"};
+  for (std::size_t mode = 1; mode < 3; ++mode) {
+    const double t = pick(rows[mode], &row::step_us);
+    std::printf("| %s | %.1f us | %.3f | %.1f us |\n", names[mode], t, t / none,
+                pick(rows[mode], &row::copy_us));
   }
 }
 
@@ -330,6 +422,8 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     std::printf("| asynchronous | %.2f ms | %.2f ms | %.2f ms | %.2f ms |\n", ms(async, blocked),
                 ms(async, copied), ms(async, commit), ms(async, writer));
   }
+  ctx.barrier();
+  small_copies(ctx, s);
   ctx.barrier();
   if (main) std::filesystem::remove_all(dir);
   return 0;
