@@ -10957,9 +10957,10 @@ struct parameter {
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
   /// Set by param(name, T*& values, count, T*& gradient): the model's
   /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
-  /// into DDP's storage while the values are gathered, and sets to null
-  /// between (through `rebind_values`; a pointer's is `rebind`'s, a
-  /// LibTorch tensor's moves the tensor's storage).
+  /// into DDP's storage while the values are gathered, and between them at
+  /// a place with no memory behind it, where a read or a write is named
+  /// (on the host; null on a GPU) (through `rebind_values`; a pointer's is
+  /// `rebind`'s, a LibTorch tensor's moves the tensor's storage).
   void* values_slot = nullptr;
   void (*rebind_values)(void* slot, void* storage) noexcept = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
@@ -11063,7 +11064,9 @@ template <detail::element_range V>
 /// (the model may free that storage afterwards; null: the shard starts at
 /// zero, for the model to write through shard()), keeps this rank's shard of
 /// them, and points `values` at the whole values while
-/// DistributedDataParallel::gather() holds them (null otherwise). The
+/// DistributedDataParallel::gather() holds them (otherwise at a place with
+/// no memory, where a read or a write ends the rank with a message that
+/// names the parameter; null on a GPU). The
 /// gradient is a bucket view, as with param(name, values, gradient). Other
 /// stages use it as param(name, std::span(values, count), gradient).
 template <element T>
@@ -13497,6 +13500,248 @@ class stream_runner {
 /// Bodies out of class in ddp/sharding_part.hpp (see ddp/basic_ddp.hpp for
 /// why: the compiled library instantiates this class with basic_ddp).
 
+// ---- begin dtrain/ddp/fence.hpp ----
+/// @file
+/// ZeRO stage 3 on the host: where a parameter's values point while no
+/// gather() holds them. Not null but a place of its own in address space
+/// reserved with no access (never backed by memory), so that a read or a
+/// write there (a layer computed outside its guard, `ddp->forward(x)` around
+/// the wrapper, printing a tensor) is caught: the fault handler the first
+/// fence installs names the parameter, its unit and the rank on stderr and
+/// ends the process with status 1, where it used to be a bare segmentation
+/// fault nothing could name. A fault anywhere else goes on to the handler
+/// that was there before (by default a core dump, as without dtrain).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::detail {
+
+class value_fence {
+ public:
+  /// What a fault at a place names.
+  struct place {
+    std::string name;
+    std::int64_t unit = -1;
+    std::size_t bytes = 0;    ///< the parameter's values
+    std::size_t element = 1;  ///< bytes per value
+  };
+
+  /// Reserves a place for each parameter (in order, 64-byte aligned). With
+  /// no address space to reserve, or 64 fences alive at once, it holds none
+  /// and at() is null (a read there faults unnamed, as before).
+  value_fence(std::vector<place> places, int rank, int size);
+  ~value_fence();
+  value_fence(const value_fence&) = delete;
+  value_fence& operator=(const value_fence&) = delete;
+
+  /// Parameter i's place, or null.
+  [[nodiscard]] void* at(std::size_t i) const noexcept;
+  /// Whether `p` lies in a live fence: a stage-3 value pointer between
+  /// gathers (a checkpoint refuses to read it).
+  [[nodiscard]] static bool holds(const void* p) noexcept;
+  /// The fault handler's part: writes the report and ends the process when
+  /// `address` is in this fence; async-signal-safe.
+  void report_if_mine(const void* address, int access) const noexcept;
+
+ private:
+  std::vector<place> places_;
+  std::vector<std::size_t> offsets_;
+  std::byte* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  int rank_ = 0;
+  int size_ = 0;
+  std::size_t slot_ = 0;
+};
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/fence-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/fence.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/fence.hpp, not this file.
+
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <mutex>
+#include <string_view>
+
+namespace dtrain::detail {
+
+/// The live fences, for the fault handler (which may take no lock).
+DTRAIN_DETAIL_INLINE std::array<std::atomic<const value_fence*>, 64> live_fences{};
+/// SIGSEGV's action before the fences' handler was installed (once, never removed).
+DTRAIN_DETAIL_INLINE struct sigaction fence_previous_action {};
+DTRAIN_DETAIL_INLINE std::once_flag fence_handler_once;
+
+/// A message built without allocating, for a signal handler.
+class signal_text {
+ public:
+  signal_text& operator<<(std::string_view s) noexcept {
+    for (const char c : s) {
+      if (used_ == text_.size()) break;
+      text_[used_++] = c;
+    }
+    return *this;
+  }
+  signal_text& operator<<(std::uint64_t n) noexcept {
+    char digits[20];
+    std::size_t k = 0;
+    do {
+      digits[k++] = static_cast<char>('0' + n % 10);
+      n /= 10;
+    } while (n != 0);
+    while (k > 0) *this << std::string_view(&digits[--k], 1);
+    return *this;
+  }
+  void write_out() const noexcept {
+    std::size_t done = 0;
+    while (done < used_) {
+      const ssize_t n = ::write(STDERR_FILENO, text_.data() + done, used_ - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+ private:
+  std::array<char, 2048> text_{};
+  std::size_t used_ = 0;
+};
+
+DTRAIN_DETAIL_INLINE void on_fence_fault(int sig, siginfo_t* info, void* context) {
+  const int saved = errno;
+  if (info != nullptr && info->si_code > 0) {  // a fault, not a signal sent
+    int access = 0;                            // 1 read, 2 write, 0 not known
+#if defined(__x86_64__) && defined(REG_ERR)
+    if (context != nullptr) {
+      access = (static_cast<const ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR] & 2) ? 2 : 1;
+    }
+#endif
+    for (const std::atomic<const value_fence*>& slot : live_fences) {
+      if (const value_fence* fence = slot.load(std::memory_order_acquire))
+        fence->report_if_mine(info->si_addr, access);  // ends the process if it is
+    }
+  }
+  // Not a fence's: what SIGSEGV did before.
+  const struct sigaction& before = fence_previous_action;
+  errno = saved;
+  if ((before.sa_flags & SA_SIGINFO) != 0 && before.sa_sigaction != nullptr) {
+    before.sa_sigaction(sig, info, context);
+    return;
+  }
+  if ((before.sa_flags & SA_SIGINFO) == 0 && before.sa_handler != SIG_DFL &&
+      before.sa_handler != SIG_IGN) {
+    before.sa_handler(sig);
+    return;
+  }
+  const bool sent = info == nullptr || info->si_code <= 0;
+  if (sent && (before.sa_flags & SA_SIGINFO) == 0 && before.sa_handler == SIG_IGN) return;
+  // The default: a fault happens again on return, now with it (a core
+  // dump); a signal sent is sent again, delivered once this returns.
+  struct sigaction fallback {};
+  fallback.sa_handler = SIG_DFL;
+  sigemptyset(&fallback.sa_mask);
+  ::sigaction(sig, &fallback, nullptr);
+  if (sent) ::raise(sig);
+  errno = saved;
+}
+
+DTRAIN_DETAIL_INLINE value_fence::value_fence(std::vector<place> places, int rank, int size)
+    : places_(std::move(places)), rank_(rank), size_(size) {
+  offsets_.reserve(places_.size());
+  std::size_t at = 0;
+  for (const place& p : places_) {
+    offsets_.push_back(at);
+    at += (std::max<std::size_t>(p.bytes, 1) + 63) / 64 * 64;  // a place of its own even if empty
+  }
+  if (at == 0) return;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const std::size_t bytes = (at + page - 1) / page * page;
+  void* reserved =
+      ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) return;
+  std::call_once(fence_handler_once, [] {
+    ::sigaction(SIGSEGV, nullptr, &fence_previous_action);
+    struct sigaction mine {};
+    mine.sa_sigaction = on_fence_fault;
+    mine.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    sigemptyset(&mine.sa_mask);
+    ::sigaction(SIGSEGV, &mine, nullptr);
+  });
+  for (std::size_t s = 0; s < live_fences.size(); ++s) {
+    const value_fence* none = nullptr;
+    if (live_fences[s].compare_exchange_strong(none, this, std::memory_order_acq_rel)) {
+      base_ = static_cast<std::byte*>(reserved);
+      bytes_ = bytes;
+      slot_ = s;
+      return;
+    }
+  }
+  ::munmap(reserved, bytes);  // every slot taken: no fence
+}
+
+DTRAIN_DETAIL_INLINE value_fence::~value_fence() {
+  if (base_ == nullptr) return;
+  live_fences[slot_].store(nullptr, std::memory_order_release);
+  ::munmap(base_, bytes_);
+}
+
+DTRAIN_DETAIL_INLINE void* value_fence::at(std::size_t i) const noexcept {
+  return base_ != nullptr && i < offsets_.size() ? base_ + offsets_[i] : nullptr;
+}
+
+DTRAIN_DETAIL_INLINE bool value_fence::holds(const void* p) noexcept {
+  const auto* a = static_cast<const std::byte*>(p);
+  for (const std::atomic<const value_fence*>& slot : live_fences) {
+    const value_fence* f = slot.load(std::memory_order_acquire);
+    if (f != nullptr && a >= f->base_ && a < f->base_ + f->bytes_) return true;
+  }
+  return false;
+}
+
+DTRAIN_DETAIL_INLINE void value_fence::report_if_mine(const void* address,
+                                                      int access) const noexcept {
+  const auto* a = static_cast<const std::byte*>(address);
+  if (base_ == nullptr || a < base_ || a >= base_ + bytes_ || offsets_.empty()) return;
+  const auto at = static_cast<std::size_t>(a - base_);
+  const auto next = std::upper_bound(offsets_.begin(), offsets_.end(), at);
+  const auto i = static_cast<std::size_t>(next - offsets_.begin()) - 1;  // offsets_[0] is 0
+  const place& p = places_[i];
+  const std::size_t element = std::max<std::size_t>(p.element, 1);
+  signal_text out;
+  out << "[rank " << static_cast<std::uint64_t>(rank_) << "/" << static_cast<std::uint64_t>(size_)
+      << "] dtrain: parameter '" << p.name << "'";
+  if (p.unit >= 0) out << " (unit " << static_cast<std::uint64_t>(p.unit) << ")";
+  out << (access == 2   ? " was written"
+          : access == 1 ? " was read"
+                        : " was read or written")
+      << " outside a gather() (at its element " << (at - offsets_[i]) / element << " of "
+      << p.bytes / element
+      << "): with ddp_options::sharding = parameters a rank holds only its shard of the values "
+         "between gathers, and the parameter points at no memory; call the model through "
+         "ddp(x), or hold a gather() of its unit while its values are used "
+         "(docs/troubleshooting.md#a-parameter-used-outside-a-gather-at-zero-stage-3)\n";
+  out.write_out();
+  ::_exit(1);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/fence-inl.hpp ----
+#endif
+// ---- end dtrain/ddp/fence.hpp ----
 // ---- begin dtrain/ddp/state.hpp ----
 /// @file
 /// What DistributedDataParallel keeps per parameter and per bucket, each in
@@ -14258,13 +14503,19 @@ class ddp_sharding {
   using storage = flat_storage<memory_space>;
 
   explicit ddp_sharding(core_type& core) noexcept : core_(core) {}
+  /// No model pointer is left at the fence it takes along (a DDP whose
+  /// constructor threw after take_values()).
+  ~ddp_sharding() {
+    if (fence_) give_back_values();
+  }
   ddp_sharding(const ddp_sharding&) = delete;
   ddp_sharding& operator=(const ddp_sharding&) = delete;
 
   /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
   /// buckets it holds are whole on this rank, and the model's value pointers
-  /// point at them; when the last one holding a bucket goes, the pointers are
-  /// set to null and the memory is given back. Made by gather().
+  /// point at them; when the last one holding a bucket goes, the pointers
+  /// point at the fence (fence.hpp; null on a GPU) and the memory is given
+  /// back. Made by gather().
   class held_values {
    public:
     held_values(held_values&& other) noexcept
@@ -14431,6 +14682,10 @@ class ddp_sharding {
   storage whole_buffer_locked(std::size_t bytes, int device);
 
   core_type& core_;
+  // Stage 3 on the host: where the model's value pointers point between
+  // gathers (null on a GPU, or where no address space could be reserved).
+  // DDP's destructor sets the pointers to null before it goes.
+  std::unique_ptr<value_fence> fence_;
   std::vector<shard> shards_;  // per bucket of the core's current layout
   /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
   std::array<storage, 2> staging_;
@@ -16883,8 +17138,9 @@ class basic_ddp {
 
   /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
   /// buckets it holds are whole on this rank, and the model's value pointers
-  /// point at them; when the last one holding a bucket goes, the pointers are
-  /// set to null and the memory is given back. Made by gather().
+  /// point at them; when the last one holding a bucket goes, the pointers
+  /// point at DDP's fence (no memory: a use is named; null on a GPU) and the
+  /// memory is given back. Made by gather().
   using gathered_parameters = typename detail::ddp_sharding<Policy>::held_values;
   /// Collective, with sharding::parameters: allgathers the values of the
   /// buckets that hold `params` (parameters, indices into parameters(), or
@@ -18737,7 +18993,8 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 // Each bucket's values live as this rank's shard in owned_values (the pieces'
 // values: the optimizer updates them there); gather() allgathers a bucket's
 // shards into `unsharded`, the whole values, and points the model's value
-// pointers into it; the last guard's release frees it and sets them to null.
+// pointers into it; the last guard's release frees it and points them at
+// their places in the fence (fence.hpp: a use there is named; null on a GPU).
 // The allgathers run on the bucket runner, in order with the buckets'
 // reduce-scatters (post_in_order): every rank issues its collectives in the
 // same order, whichever thread runs them. Prefetch: the gather() calls of a
@@ -18757,7 +19014,7 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
 /// owned_values, where make_pieces() put the pieces' values (a parameter
 /// declared without values starts at zero there); the model's value
-/// pointers are null from here on.
+/// pointers point at the fence from here on (null on a GPU).
 template <class Policy>
 void ddp_sharding<Policy>::take_values() {
   // The master weights start as the values (at stage 3 the shard just taken).
@@ -18771,6 +19028,16 @@ void ddp_sharding<Policy>::take_values() {
   if (!shards_parameters()) {
     start_master();
     return;
+  }
+  if constexpr (memory_space::where == memory::host) {
+    std::vector<value_fence::place> places;
+    for (const ddp_variable& v : core_.vars_) {
+      places.push_back({.name = v.param.name,
+                        .unit = v.param.unit,
+                        .bytes = v.param.values.bytes(),
+                        .element = size_of(v.param.values.type)});
+    }
+    fence_ = std::make_unique<value_fence>(std::move(places), core_.rank_, core_.size_);
   }
   for (const shard_piece& piece : pieces_) {
     const parameter& p = core_.vars_[piece.parameter].param;
@@ -18848,7 +19115,9 @@ void ddp_sharding<Policy>::point_values(std::size_t b, std::byte* whole) noexcep
   for (const std::size_t i : core_.buckets_[b].info.parameters) {
     parameter& p = core_.vars_[i].param;
     p.values.data = whole ? whole + core_.vars_[i].offset : nullptr;
-    p.rebind_values(p.values_slot, p.values.data);
+    // Between gathers the model's pointer is the fence's place (a use there
+    // is named), or null; DDP's own record stays null.
+    p.rebind_values(p.values_slot, whole ? p.values.data : fence_ ? fence_->at(i) : nullptr);
   }
 }
 

@@ -56,6 +56,21 @@ dtrain_add_multirank_test(ddp.sharding PROGRAM dtrain_ddp_shard CASE sharding
                           ENGINES mpi gloo RANKS 1 2 3 4)
 dtrain_add_multirank_test(ddp.sharding PROGRAM dtrain_ddp_shard CASE sharding
                           ENGINES gloo RANKS 4 NODES 2,2)
+# A stage-3 parameter read or written outside a gather() (issue 48): the rank
+# ends with status 1 and a line that names the parameter, its unit and the
+# rank, not a bare segmentation fault; a fault elsewhere still reaches the
+# handler the program installed before DDP.
+foreach(access IN ITEMS read write)
+  if(access STREQUAL "read")
+    set(verb "read( or written)?")
+  else()
+    set(verb "(read or )?written")
+  endif()
+  dtrain_add_multirank_test(ddp.outside_${access} PROGRAM dtrain_ddp_shard CASE outside-${access}
+    ENGINES mpi gloo RANKS 1 2 NO_KILL TIMEOUT 120 EXPECT_STATUS 1 EXPECT
+    "rank [01]: a fault elsewhere reached the handler installed before DDP's [(]1[)]"
+    "\\[rank [01]/[12]\\] dtrain: parameter 'w1' [(]unit 1[)] was ${verb} outside a gather[(][)] [(]at its element 3 of 700[)]")
+endforeach()
 # dtrain::loss_scaler (issue 49) on a real DDP at every stage: an inf on one
 # rank before the average and a NaN after it skip the step on every rank.
 dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_scaler

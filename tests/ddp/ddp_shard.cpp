@@ -12,8 +12,9 @@
 // trains 6 steps on each rank's own samples, step 3 accumulating two
 // micro-batches in no_sync(), with gradient clipping by the global norm. It
 // is trained with DDP (sharding none), stages 1, 2 and 3 (at stage 3 the
-// values are DDP's: the model's pointers are null outside ddp.gather(), which
-// holds them around the backward pass and the marks), each with
+// values are DDP's: the model's pointers point at DDP's fence, no memory,
+// outside ddp.gather(), which holds them around the backward pass and the
+// marks), each with
 // SGD-momentum and with Adam written against shard() (state of
 // shard_elements()), and by one process on the whole batch in double. Each
 // variant's weights must match DDP's within 1e-5 and the single process's
@@ -32,6 +33,12 @@
 // a NaN after it on the last rank only: both steps skipped on every rank,
 // the scale's schedule, and the weights bit-identical to the run without
 // the scaler that skips those steps by hand (run_scaled).
+//
+// Cases "outside-read" and "outside-write" (issue 48): a stage-3 parameter
+// used outside a gather() ends the rank with status 1 and a line that names
+// the parameter, its unit and the rank (tests/ddp/ddp.cmake checks it), not
+// a bare segmentation fault; a fault elsewhere still reaches the handler
+// that was installed before DDP's (run_outside).
 //
 // Case "master_weights" (--test-case=master_weights, issue 49): a model of
 // bfloat16 (then float16) parameters with ddp_options::master_weights at
@@ -52,6 +59,7 @@
 #include <bit>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -63,6 +71,8 @@
 #include <string_view>
 #include <vector>
 
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -104,7 +114,7 @@ struct linear_model {
   std::vector<float*> view;  // gradients dtrain repoints into its buckets
   std::vector<float> own = std::vector<float>(sizes[copy_mode]);  // the copy-mode gradient
   /// Stage 3 (sharding::parameters): the values as pointers DDP holds
-  /// (null outside gather()); w keeps the initial values it copies.
+  /// (at its fence outside gather()); w keeps the initial values it copies.
   bool values_held = false;
   std::vector<float*> held;
   bool units = false;  // each parameter a unit of its own (parameter::unit)
@@ -303,8 +313,9 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
   out.topology = ddp.topology().describe();
   const bool transient = sharding != dtrain::sharding::none &&
                          sharding != dtrain::sharding::optimizer && ctx.size() > 1;
-  if (stage3 && std::any_of(model.held.begin(), model.held.end(), [](float* v) { return v; })) {
-    out.page_problem = "stage 3: a value pointer is not null outside gather()";
+  if (stage3 && !std::all_of(model.held.begin(), model.held.end(),
+                             [](float* v) { return dtrain::detail::value_fence::holds(v); })) {
+    out.page_problem = "stage 3: a value pointer is not in DDP's fence outside gather()";
   }
   if (ddp.memory_use().transient_buckets != transient) {
     out.page_problem = "memory_use().transient_buckets is wrong";
@@ -327,8 +338,8 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
         if (p != unused) ddp.mark_ready(p);
       }
     }
-    if (stage3 && model.held[0] != nullptr) {
-      out.page_problem = "stage 3: the value pointers are not null once the guard is gone";
+    if (stage3 && !dtrain::detail::value_fence::holds(model.held[0])) {
+      out.page_problem = "stage 3: the value pointers are not in the fence once the guard is gone";
     }
     ddp.synchronize();
     // Stage 2 on the host: the buckets' pages went back after their reduce-scatter.
@@ -820,7 +831,7 @@ int run_scaled(Context& ctx) {
 
 /// A model of 16-bit parameters (bfloat16 or float16; sizes no world size
 /// divides, one larger than a shard), every value 1.0 at the start; at
-/// stage 3 the value pointers are DDP's (null outside a gather()).
+/// stage 3 the value pointers are DDP's (at its fence outside a gather()).
 template <class T>
 struct half_model {
   static constexpr std::size_t half_sizes[] = {1, 700, 3001, 33};
@@ -1083,7 +1094,77 @@ int run_master(Context& ctx) {
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
 }
+// ---- Cases "outside-read" and "outside-write" (issue 48) ---------------------
+
+sigjmp_buf back_from_fault;
+volatile sig_atomic_t armed = 0;  // the next fault is the one expected
+volatile sig_atomic_t faults_before = 0;
+
+/// The program's own handler: the expected fault returns to the jump;
+/// any other dies of it as it would have (a test that fails, not a loop).
+extern "C" void note_fault_and_return(int sig, siginfo_t*, void*) {
+  if (!armed) {
+    std::signal(sig, SIG_DFL);
+    return;
+  }
+  armed = 0;
+  faults_before = faults_before + 1;
+  siglongjmp(back_from_fault, 1);
+}
+
+/// A fault on a page of the program's own goes to the handler installed
+/// before DDP's; then a stage-3 parameter read (or written) outside a gather()
+/// ends the rank by name. Returns only if it did not.
+template <class Context>
+int run_outside(Context& ctx, bool write) {
+  using Policy = typename Context::policy_type;
+  struct sigaction mine {};
+  mine.sa_sigaction = note_fault_and_return;
+  mine.sa_flags = SA_SIGINFO;
+  sigemptyset(&mine.sa_mask);
+  ::sigaction(SIGSEGV, &mine, nullptr);
+  linear_model model(true);
+  model.units = true;  // parameter p is unit p
+  dtrain::DistributedDataParallel<linear_model, Policy> ddp(
+      ctx, model, {.sharding = dtrain::sharding::parameters});
+  {
+    auto held = ddp.gather({std::size_t{1}});
+    const volatile float* inside = model.held[1];
+    if (!(inside[3] == static_cast<float>(0.1 * hash_unit(1, 3)))) {
+      std::printf("rank %d: a gathered value is wrong\n", ctx.rank());
+      return 1;
+    }
+  }
+  void* page = ::mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) return 1;
+  if (sigsetjmp(back_from_fault, 1) == 0) {
+    armed = 1;
+    [[maybe_unused]] const float x = *static_cast<const volatile float*>(page);
+  }
+  ::munmap(page, 4096);
+  std::printf("rank %d: a fault elsewhere reached the handler installed before DDP's (%d)\n",
+              ctx.rank(), static_cast<int>(faults_before));
+  std::fflush(stdout);
+  volatile float* outside = model.held[1];
+  if (write) {
+    outside[3] = 1.0f;
+  } else {
+    std::printf("rank %d: read %g\n", ctx.rank(), static_cast<double>(outside[3]));
+  }
+  std::printf("rank %d: a value outside a gather() was %s unnamed\n", ctx.rank(),
+              write ? "written" : "read");
+  return 1;
+}
+
 }  // namespace
+
+TEST_CASE("outside-read") {
+  dtrain_test::end_job(dtrain_test::run_job([](auto& ctx) { return run_outside(ctx, false); }));
+}
+
+TEST_CASE("outside-write") {
+  dtrain_test::end_job(dtrain_test::run_job([](auto& ctx) { return run_outside(ctx, true); }));
+}
 
 TEST_CASE("sharding") {
   CHECK(dtrain_test::run_job(

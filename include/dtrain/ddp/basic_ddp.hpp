@@ -462,8 +462,9 @@ class basic_ddp {
 
   /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
   /// buckets it holds are whole on this rank, and the model's value pointers
-  /// point at them; when the last one holding a bucket goes, the pointers are
-  /// set to null and the memory is given back. Made by gather().
+  /// point at them; when the last one holding a bucket goes, the pointers
+  /// point at DDP's fence (no memory: a use is named; null on a GPU) and the
+  /// memory is given back. Made by gather().
   using gathered_parameters = typename detail::ddp_sharding<Policy>::held_values;
   /// Collective, with sharding::parameters: allgathers the values of the
   /// buckets that hold `params` (parameters, indices into parameters(), or

@@ -39,9 +39,10 @@ struct parameter {
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
   /// Set by param(name, T*& values, count, T*& gradient): the model's
   /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
-  /// into DDP's storage while the values are gathered, and sets to null
-  /// between (through `rebind_values`; a pointer's is `rebind`'s, a
-  /// LibTorch tensor's moves the tensor's storage).
+  /// into DDP's storage while the values are gathered, and between them at
+  /// a place with no memory behind it, where a read or a write is named
+  /// (on the host; null on a GPU) (through `rebind_values`; a pointer's is
+  /// `rebind`'s, a LibTorch tensor's moves the tensor's storage).
   void* values_slot = nullptr;
   void (*rebind_values)(void* slot, void* storage) noexcept = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
@@ -145,7 +146,9 @@ template <detail::element_range V>
 /// (the model may free that storage afterwards; null: the shard starts at
 /// zero, for the model to write through shard()), keeps this rank's shard of
 /// them, and points `values` at the whole values while
-/// DistributedDataParallel::gather() holds them (null otherwise). The
+/// DistributedDataParallel::gather() holds them (otherwise at a place with
+/// no memory, where a read or a write ends the rank with a message that
+/// names the parameter; null on a GPU). The
 /// gradient is a bucket view, as with param(name, values, gradient). Other
 /// stages use it as param(name, std::span(values, count), gradient).
 template <element T>

@@ -24,6 +24,7 @@
 
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/ddp/fence.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/state.hpp>
@@ -83,13 +84,19 @@ class ddp_sharding {
   using storage = flat_storage<memory_space>;
 
   explicit ddp_sharding(core_type& core) noexcept : core_(core) {}
+  /// No model pointer is left at the fence it takes along (a DDP whose
+  /// constructor threw after take_values()).
+  ~ddp_sharding() {
+    if (fence_) give_back_values();
+  }
   ddp_sharding(const ddp_sharding&) = delete;
   ddp_sharding& operator=(const ddp_sharding&) = delete;
 
   /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
   /// buckets it holds are whole on this rank, and the model's value pointers
-  /// point at them; when the last one holding a bucket goes, the pointers are
-  /// set to null and the memory is given back. Made by gather().
+  /// point at them; when the last one holding a bucket goes, the pointers
+  /// point at the fence (fence.hpp; null on a GPU) and the memory is given
+  /// back. Made by gather().
   class held_values {
    public:
     held_values(held_values&& other) noexcept
@@ -256,6 +263,10 @@ class ddp_sharding {
   storage whole_buffer_locked(std::size_t bytes, int device);
 
   core_type& core_;
+  // Stage 3 on the host: where the model's value pointers point between
+  // gathers (null on a GPU, or where no address space could be reserved).
+  // DDP's destructor sets the pointers to null before it goes.
+  std::unique_ptr<value_fence> fence_;
   std::vector<shard> shards_;  // per bucket of the core's current layout
   /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
   std::array<storage, 2> staging_;

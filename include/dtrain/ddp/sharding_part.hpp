@@ -543,7 +543,8 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 // Each bucket's values live as this rank's shard in owned_values (the pieces'
 // values: the optimizer updates them there); gather() allgathers a bucket's
 // shards into `unsharded`, the whole values, and points the model's value
-// pointers into it; the last guard's release frees it and sets them to null.
+// pointers into it; the last guard's release frees it and points them at
+// their places in the fence (fence.hpp: a use there is named; null on a GPU).
 // The allgathers run on the bucket runner, in order with the buckets'
 // reduce-scatters (post_in_order): every rank issues its collectives in the
 // same order, whichever thread runs them. Prefetch: the gather() calls of a
@@ -563,7 +564,7 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
 /// owned_values, where make_pieces() put the pieces' values (a parameter
 /// declared without values starts at zero there); the model's value
-/// pointers are null from here on.
+/// pointers point at the fence from here on (null on a GPU).
 template <class Policy>
 void ddp_sharding<Policy>::take_values() {
   // The master weights start as the values (at stage 3 the shard just taken).
@@ -577,6 +578,16 @@ void ddp_sharding<Policy>::take_values() {
   if (!shards_parameters()) {
     start_master();
     return;
+  }
+  if constexpr (memory_space::where == memory::host) {
+    std::vector<value_fence::place> places;
+    for (const ddp_variable& v : core_.vars_) {
+      places.push_back({.name = v.param.name,
+                        .unit = v.param.unit,
+                        .bytes = v.param.values.bytes(),
+                        .element = size_of(v.param.values.type)});
+    }
+    fence_ = std::make_unique<value_fence>(std::move(places), core_.rank_, core_.size_);
   }
   for (const shard_piece& piece : pieces_) {
     const parameter& p = core_.vars_[piece.parameter].param;
@@ -654,7 +665,9 @@ void ddp_sharding<Policy>::point_values(std::size_t b, std::byte* whole) noexcep
   for (const std::size_t i : core_.buckets_[b].info.parameters) {
     parameter& p = core_.vars_[i].param;
     p.values.data = whole ? whole + core_.vars_[i].offset : nullptr;
-    p.rebind_values(p.values_slot, p.values.data);
+    // Between gathers the model's pointer is the fence's place (a use there
+    // is named), or null; DDP's own record stays null.
+    p.rebind_values(p.values_slot, whole ? p.values.data : fence_ ? fence_->at(i) : nullptr);
   }
 }
 

@@ -84,7 +84,8 @@ inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes,
 inline void add_tensor(dtrain::checkpoint& ckpt, const std::string& full,
                        const ::torch::Tensor& t) {
   if (!t.defined()) return;
-  if (t.numel() > 0 && t.storage().data() == nullptr) {
+  if (t.numel() > 0 &&
+      (t.storage().data() == nullptr || dtrain::detail::value_fence::holds(t.storage().data()))) {
     // ZeRO stage 3: DDP holds the values, each rank its shard.
     throw config_error("dtrain::torch::add_module: tensor '" + full +
                        "' has no values on this rank (ddp_options::sharding = parameters "

@@ -126,10 +126,11 @@ inline void rebind_gradient(void* slot, void* storage) noexcept {
 
 /// Where a parameter's values live at ZeRO stage 3 (ddp_options::sharding =
 /// parameters): the tensor's storage, which rebind_values points at DDP's
-/// whole values while a unit's gather holds them, and at nothing between (a
-/// kernel that reads the tensor then throws LibTorch's "data is not
-/// allocated" error). The tensor keeps its sizes; its storage, not owned
-/// any more, never outlives DDP's memory in use.
+/// whole values while a unit's gather holds them, and between them at the
+/// parameter's place in DDP's fence (dtrain/ddp/fence.hpp: a kernel that
+/// reads the tensor there ends the process with a message that names it;
+/// null on a GPU). The tensor keeps its sizes; its storage, not owned any
+/// more, never outlives DDP's memory in use.
 struct value_slot {
   c10::Storage storage;
   c10::Device device{c10::kCPU};
