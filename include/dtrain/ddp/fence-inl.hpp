@@ -112,6 +112,8 @@ DTRAIN_DETAIL_INLINE value_fence::value_fence(std::vector<place> places, int ran
   void* reserved =
       ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (reserved == MAP_FAILED) return;
+  base_ = static_cast<std::byte*>(reserved);  // before it is published
+  bytes_ = bytes;
   std::call_once(fence_handler_once, [] {
     ::sigaction(SIGSEGV, nullptr, &fence_previous_action);
     struct sigaction mine {};
@@ -123,13 +125,13 @@ DTRAIN_DETAIL_INLINE value_fence::value_fence(std::vector<place> places, int ran
   for (std::size_t s = 0; s < live_fences.size(); ++s) {
     const value_fence* none = nullptr;
     if (live_fences[s].compare_exchange_strong(none, this, std::memory_order_acq_rel)) {
-      base_ = static_cast<std::byte*>(reserved);
-      bytes_ = bytes;
       slot_ = s;
       return;
     }
   }
   ::munmap(reserved, bytes);  // every slot taken: no fence
+  base_ = nullptr;
+  bytes_ = 0;
 }
 
 DTRAIN_DETAIL_INLINE value_fence::~value_fence() {
@@ -142,20 +144,25 @@ DTRAIN_DETAIL_INLINE void* value_fence::at(std::size_t i) const noexcept {
   return base_ != nullptr && i < offsets_.size() ? base_ + offsets_[i] : nullptr;
 }
 
+DTRAIN_DETAIL_INLINE bool value_fence::contains(const void* p) const noexcept {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const auto from = reinterpret_cast<std::uintptr_t>(base_);
+  return base_ != nullptr && a >= from && a - from < bytes_;
+}
+
 DTRAIN_DETAIL_INLINE bool value_fence::holds(const void* p) noexcept {
-  const auto* a = static_cast<const std::byte*>(p);
   for (const std::atomic<const value_fence*>& slot : live_fences) {
     const value_fence* f = slot.load(std::memory_order_acquire);
-    if (f != nullptr && a >= f->base_ && a < f->base_ + f->bytes_) return true;
+    if (f != nullptr && f->contains(p)) return true;
   }
   return false;
 }
 
 DTRAIN_DETAIL_INLINE void value_fence::report_if_mine(const void* address,
                                                       int access) const noexcept {
-  const auto* a = static_cast<const std::byte*>(address);
-  if (base_ == nullptr || a < base_ || a >= base_ + bytes_ || offsets_.empty()) return;
-  const auto at = static_cast<std::size_t>(a - base_);
+  if (!contains(address) || offsets_.empty()) return;
+  const auto at = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(address) -
+                                           reinterpret_cast<std::uintptr_t>(base_));
   const auto next = std::upper_bound(offsets_.begin(), offsets_.end(), at);
   const auto i = static_cast<std::size_t>(next - offsets_.begin()) - 1;  // offsets_[0] is 0
   const place& p = places_[i];

@@ -47,6 +47,8 @@ class value_fence {
   void report_if_mine(const void* address, int access) const noexcept;
 
  private:
+  [[nodiscard]] bool contains(const void* p) const noexcept;
+
   std::vector<place> places_;
   std::vector<std::size_t> offsets_;
   std::byte* base_ = nullptr;
