@@ -65,7 +65,7 @@ TEST_CASE("stage 3's fence: a place of its own per parameter, with no access and
   CHECK_FALSE(value_fence::holds(first));  // gone with its fence
 }
 
-TEST_CASE("stage 3's fence: 64 alive at once; the next has no places, null as without one") {
+TEST_CASE("stage 3's fence: 64 alive at once, then the next has no places, null as without one") {
   std::vector<std::unique_ptr<value_fence>> fences;
   while (fences.size() < 70) {
     fences.push_back(std::make_unique<value_fence>(fence_places(), 0, 1));
