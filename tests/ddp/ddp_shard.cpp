@@ -1094,6 +1094,7 @@ int run_master(Context& ctx) {
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
 }
+
 // ---- Cases "outside-read" and "outside-write" (issue 48) ---------------------
 
 sigjmp_buf back_from_fault;
