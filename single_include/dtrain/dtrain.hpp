@@ -29116,8 +29116,17 @@ struct checkpoint_options {
   /// config_error, and that copy is not used. State that the forward or
   /// backward changes (a batch norm's running statistics, an EMA updated in
   /// the forward) must not be a registered value of 64 KiB or more: save it
-  /// through add(name, save, load), which step() calls. Needs memory_every;
-  /// independent of `asynchronous` (which is the disk's saves' then).
+  /// through add(name, save, load), which step() calls. A rank killed in
+  /// the next step before its copy is committed loses that copy, as with
+  /// `asynchronous`: the job resumes from the one before, and when the
+  /// killed rank is its node's first (which writes the replicated part)
+  /// and was waiting in before_update() (its reads outlast the forward and
+  /// backward) while the others finished the step, two steps are trained
+  /// again. At a step that also saves to disk synchronously, step() writes
+  /// the copy itself, before the disk's: a rank killed during the disk's
+  /// save, or in the next step, resumes from memory, not from disk. Needs
+  /// memory_every; independent of `asynchronous` (which is the disk's
+  /// saves' then).
   bool memory_beside_step = false;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
@@ -32878,6 +32887,8 @@ class checkpoint {
   /// `beside`: the large values are read by the writer, beside the next step,
   /// until before_update() (checkpoint_options::memory_beside_step).
   void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
+  /// save_to_memory(), read `beside` the next step or not.
+  void copy_to_memory(bool beside);
   /// Throws config_error, naming `call`, when the memory copy begun at the
   /// last step is read beside the step and had no before_update() (it is
   /// dropped, when it reads the state where it lives).
@@ -33126,8 +33137,16 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   check_released("step()");
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
-  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) save_to_memory();
-  if (context_.options.every > 0 && n % context_.options.every == 0) {
+  const bool to_disk = context_.options.every > 0 && n % context_.options.every == 0;
+  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) {
+    // A step saved to disk synchronously writes its memory copy within
+    // step() too, not beside the next step, and before the disk's: a rank
+    // killed during the disk's save, or in the next step, leaves that copy
+    // whole, and the job resumes from memory, not from this save on disk.
+    copy_to_memory(context_.options.memory_beside_step &&
+                   !(to_disk && !context_.options.asynchronous));
+  }
+  if (to_disk) {
     save();
     return true;
   }
@@ -33179,6 +33198,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  copy_to_memory(context_.options.memory_beside_step);
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::copy_to_memory(bool beside) {
   if (!memory_) {
     throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
                        ": the memory tier has no directory: run under dtrun (its node agent "
@@ -33191,8 +33214,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
   // newest step whole on every rank. Asynchronous: the copy here, the files
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
-  save_into(*memory_, memory_slot, context_.options.memory_beside_step);
-  word_due_ = context_.options.memory_beside_step;
+  save_into(*memory_, memory_slot, beside);
+  word_due_ = beside;
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 

@@ -1020,6 +1020,39 @@ TEST_CASE("checkpoint: a memory copy read beside the step holds the state step()
   for (const auto& g : got) CHECK(g == std::array<double, 3>{4, 4, 4});
 }
 
+TEST_CASE(
+    "checkpoint: a step saved to disk writes its memory copy within step(), not beside the next "
+    "step") {
+  scratch_dir disk, memory;
+  constexpr std::size_t large = 32768;  // read where it lives, beside the step, at other steps
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> weight(large);
+    std::int64_t counter = 0;
+    dtrain::checkpoint_options o = beside_options(disk.path, memory.path, rank);
+    o.every = 2;
+    dtrain::checkpoint c(plane, o);
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    for (int step = 1; step <= 3; ++step) {
+      std::ranges::fill(weight, static_cast<float>(step));
+      counter = step;
+      const bool to_disk = c.step();
+      CHECK(to_disk == (step == 2));
+      // Step 2's copy is committed as step() returns (a rank killed in the
+      // disk's save or the next step resumes from it); the others' wait for
+      // before_update().
+      std::this_thread::sleep_for(20ms);
+      CHECK(fs::exists(memory_copy(memory.path, rank, step) / "MANIFEST") == to_disk);
+      // (Step 3's step() would throw had step 2's copy waited for a word.)
+      if (!to_disk) c.before_update();
+    }
+    c.wait();
+    CHECK(c.memory_failures() == 0);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  const auto got = restore_beside(disk.path, memory.path, large, 2);
+  for (const auto& g : got) CHECK(g == std::array<double, 3>{3, 3, 3});
+}
+
 TEST_CASE("checkpoint: a memory copy read beside the step with no before_update() is refused") {
   scratch_dir disk, memory;
   constexpr std::size_t large = 32768;

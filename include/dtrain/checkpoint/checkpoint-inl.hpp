@@ -218,8 +218,16 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   check_released("step()");
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
-  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) save_to_memory();
-  if (context_.options.every > 0 && n % context_.options.every == 0) {
+  const bool to_disk = context_.options.every > 0 && n % context_.options.every == 0;
+  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) {
+    // A step saved to disk synchronously writes its memory copy within
+    // step() too, not beside the next step, and before the disk's: a rank
+    // killed during the disk's save, or in the next step, leaves that copy
+    // whole, and the job resumes from memory, not from this save on disk.
+    copy_to_memory(context_.options.memory_beside_step &&
+                   !(to_disk && !context_.options.asynchronous));
+  }
+  if (to_disk) {
     save();
     return true;
   }
@@ -271,6 +279,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  copy_to_memory(context_.options.memory_beside_step);
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::copy_to_memory(bool beside) {
   if (!memory_) {
     throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
                        ": the memory tier has no directory: run under dtrun (its node agent "
@@ -283,8 +295,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
   // newest step whole on every rank. Asynchronous: the copy here, the files
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
-  save_into(*memory_, memory_slot, context_.options.memory_beside_step);
-  word_due_ = context_.options.memory_beside_step;
+  save_into(*memory_, memory_slot, beside);
+  word_due_ = beside;
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 

@@ -303,6 +303,8 @@ class checkpoint {
   /// `beside`: the large values are read by the writer, beside the next step,
   /// until before_update() (checkpoint_options::memory_beside_step).
   void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
+  /// save_to_memory(), read `beside` the next step or not.
+  void copy_to_memory(bool beside);
   /// Throws config_error, naming `call`, when the memory copy begun at the
   /// last step is read beside the step and had no before_update() (it is
   /// dropped, when it reads the state where it lives).

@@ -69,8 +69,17 @@ struct checkpoint_options {
   /// config_error, and that copy is not used. State that the forward or
   /// backward changes (a batch norm's running statistics, an EMA updated in
   /// the forward) must not be a registered value of 64 KiB or more: save it
-  /// through add(name, save, load), which step() calls. Needs memory_every;
-  /// independent of `asynchronous` (which is the disk's saves' then).
+  /// through add(name, save, load), which step() calls. A rank killed in
+  /// the next step before its copy is committed loses that copy, as with
+  /// `asynchronous`: the job resumes from the one before, and when the
+  /// killed rank is its node's first (which writes the replicated part)
+  /// and was waiting in before_update() (its reads outlast the forward and
+  /// backward) while the others finished the step, two steps are trained
+  /// again. At a step that also saves to disk synchronously, step() writes
+  /// the copy itself, before the disk's: a rank killed during the disk's
+  /// save, or in the next step, resumes from memory, not from disk. Needs
+  /// memory_every; independent of `asynchronous` (which is the disk's
+  /// saves' then).
   bool memory_beside_step = false;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
