@@ -1042,8 +1042,7 @@ TEST_CASE(
       // before_update().
       std::this_thread::sleep_for(20ms);
       CHECK(fs::exists(memory_copy(memory.path, rank, step) / "MANIFEST") == to_disk);
-      // (Step 3's step() would throw had step 2's copy waited for a word.)
-      if (!to_disk) c.before_update();
+      c.before_update();  // due at every step all the same
     }
     c.wait();
     CHECK(c.memory_failures() == 0);
@@ -1051,6 +1050,21 @@ TEST_CASE(
   for (const auto& f : failures) CHECK(f == "");
   const auto got = restore_beside(disk.path, memory.path, large, 2);
   for (const auto& g : got) CHECK(g == std::array<double, 3>{3, 3, 3});
+  // With every step saved to disk, no copy is read beside a step, and a
+  // missing before_update() is refused all the same.
+  scratch_dir disk2, memory2;
+  const auto refused = on_ranks(1, [&](dtrain::control_plane plane, int) {
+    std::vector<float> weight(large);
+    dtrain::checkpoint_options o = beside_options(disk2.path, memory2.path, 0);
+    o.every = 1;
+    dtrain::checkpoint c(plane, o);
+    c.add("weight", weight);
+    c.step();
+    CHECK(fs::exists(memory_copy(memory2.path, 0, 1) / "MANIFEST"));
+    CHECK_THROWS_WITH_AS(c.step(), doctest::Contains("no before_update() came before this step()"),
+                         dtrain::config_error);
+  });
+  CHECK(refused == std::vector<std::string>{""});
 }
 
 TEST_CASE("checkpoint: a memory copy read beside the step with no before_update() is refused") {

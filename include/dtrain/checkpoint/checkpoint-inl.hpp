@@ -296,7 +296,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::copy_to_memory(bool beside) {
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
   save_into(*memory_, memory_slot, beside);
-  word_due_ = beside;
+  // before_update() is due at every copy with the option, read beside the
+  // step or not (a step saved to disk), so that a program is not right only
+  // at some steps.
+  word_due_ = context_.options.memory_beside_step;
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
