@@ -28,7 +28,9 @@
 // step, written on the training thread, (asynchronous) copied on it and
 // written beside it, and (memory_beside_step) read and written beside the
 // next step, which calls checkpoint::before_update() before it changes the
-// state.
+// state; and, the last, a copy every step of the same state registered as
+// replicated (checkpoint_scope::replicated, as a DDP's), which the node's
+// ranks write a slice each.
 //
 // Table 3, what a small copy costs: a state of --small-kib KiB per rank (a
 // values entry and a bytes entry, half each, as the demo's weights and
@@ -342,7 +344,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     return out;
   };
   const auto every = static_cast<std::uint64_t>(s.every);
-  std::vector<run_result> none, sync, async, memory, memory_async, memory_beside;
+  std::vector<run_result> none, sync, async, memory, memory_async, memory_beside, memory_replicated;
   for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
     none.push_back(run_steps(nullptr));
     {
@@ -361,7 +363,8 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       async.push_back(run_steps(&c));
     }
-    for (std::vector<run_result>* runs : {&memory, &memory_async, &memory_beside}) {
+    for (std::vector<run_result>* runs :
+         {&memory, &memory_async, &memory_beside, &memory_replicated}) {
       // The memory tier, a copy every step (in the agent's directory in /dev/shm).
       dtrain::checkpoint c(
           ctx, {.dir = dir / "table2-memory-disk",
@@ -373,7 +376,10 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
                 .memory_beside_step = runs == &memory_beside,
                 .memory_dir = std::getenv("DTRAIN_MEMORY_CHECKPOINT_DIR") ? std::filesystem::path()
                                                                           : dir / "table2-memory"});
-      c.add("state", state, dtrain::checkpoint_scope::per_rank);
+      // The last row's state is replicated (a DDP's): the node's ranks write a slice each.
+      c.add("state", state,
+            runs == &memory_replicated ? dtrain::checkpoint_scope::replicated
+                                       : dtrain::checkpoint_scope::per_rank);
       runs->push_back(run_steps(&c));
     }
   }
@@ -407,6 +413,10 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
                 ma / n);
     std::printf("| memory tier, a copy every step, read beside the step | %.2f ms | %.3f |\n",
                 1e3 * mb, mb / n);
+    const double mr = pick(memory_replicated, all);
+    std::printf(
+        "| memory tier, a copy every step, the state replicated (in slices) | %.2f ms | %.3f |\n",
+        1e3 * mr, mr / n);
     auto ms = [&](const std::vector<run_result>& runs, auto field) {
       return 1e3 * pick(runs, [&](const run_result& r) { return field(r.timings); });
     };

@@ -29095,8 +29095,9 @@ struct checkpoint_options {
   /// worker restarted on the node resumes from there when that copy is at
   /// least as new as the newest on disk (no read of `dir`); the disk stays
   /// the fallback and the tier for whole-job restarts. Each rank writes and
-  /// commits its own copy (no collective), keeping its 2 newest; a node's
-  /// first rank adds the replicated entries. With `asynchronous`, the state
+  /// commits its own copy (no collective), keeping its 2 newest; the
+  /// replicated entries are cut among a node's ranks, each writing a slice
+  /// (a restore joins them). With `asynchronous`, the state
   /// is copied on the training thread and written on a thread beside the next
   /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
   /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
@@ -29119,10 +29120,9 @@ struct checkpoint_options {
   /// through add(name, save, load), which step() calls. A rank killed in
   /// the next step before its copy is committed loses that copy, as with
   /// `asynchronous`: the job resumes from the one before, and when the
-  /// killed rank is its node's first (which writes the replicated part)
-  /// and was waiting in before_update() (its reads outlast the forward and
-  /// backward) while the others finished the step, two steps are trained
-  /// again. At a step that also saves to disk synchronously, step() writes
+  /// killed rank was waiting in before_update() (its reads of its slice
+  /// outlast the forward and backward) while the others finished the step,
+  /// two steps are trained again. At a step that also saves to disk synchronously, step() writes
   /// the copy itself, before the disk's (before_update() is due all the
   /// same): a rank killed during the disk's save, or in the next step,
   /// resumes from memory, not from disk. Needs memory_every; independent
@@ -29406,6 +29406,11 @@ DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t ent
 DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
                                       dtype type, std::span<const std::uint64_t> shape,
                                       const void* payload, std::uint64_t bytes);
+/// An entry's header alone, of a payload of `bytes` that the caller writes next.
+DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view name,
+                                           entry_kind kind, dtype type,
+                                           std::span<const std::uint64_t> shape,
+                                           std::uint64_t bytes);
 
 /// A part file read through once: its entries (payloads not kept), size and
 /// checksum. Throws checkpoint_error naming the file and what is wrong with it.
@@ -29752,6 +29757,14 @@ DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t ent
 DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
                                       dtype type, std::span<const std::uint64_t> shape,
                                       const void* payload, std::uint64_t bytes) {
+  write_entry_head(file, name, kind, type, shape, bytes);
+  if (bytes > 0) file.write(payload, static_cast<std::size_t>(bytes));
+}
+
+DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view name,
+                                           entry_kind kind, dtype type,
+                                           std::span<const std::uint64_t> shape,
+                                           std::uint64_t bytes) {
   file.write_value(static_cast<std::uint32_t>(name.size()));
   file.write(name.data(), name.size());
   file.write_value(static_cast<std::uint8_t>(kind));
@@ -29760,7 +29773,6 @@ DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, 
   file.write_value(static_cast<std::uint32_t>(shape.size()));
   for (std::uint64_t d : shape) file.write_value(d);
   file.write_value(bytes);
-  if (bytes > 0) file.write(payload, static_cast<std::size_t>(bytes));
 }
 
 DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path)
@@ -30183,6 +30195,7 @@ DTRAIN_DETAIL_INLINE void cleaner::remove(const std::vector<std::filesystem::pat
 /// rank. Where the parts go is a storage tier's (checkpoint/tier.hpp).
 
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -30205,6 +30218,23 @@ struct part_record {
   std::span<const std::uint64_t> shape;
   const void* data = nullptr;
   std::uint64_t bytes = 0;
+  /// A range of a values entry (a slice's: slice_of), written as a sharded
+  /// entry of one range: the whole's element count, 1, the range's first
+  /// element and its count, then `bytes` at `data` (its values).
+  bool ranged = false;
+  std::array<std::uint64_t, 4> range{};
+};
+
+/// Which of the entries of a scope one rank writes, when `count` ranks share
+/// the writing (the memory tier cuts a node's replicated part among the
+/// node's ranks): a values entry of `split_from` bytes or more is cut into
+/// `count` ranges of elements, the `index`-th written here; the other entries
+/// are dealt whole, in the order added, the j-th to the rank of index j %
+/// count. `count` 1: all of them, whole.
+struct slice_of {
+  int index = 0;
+  int count = 1;
+  static constexpr std::size_t split_from = std::size_t{64} << 10;
 };
 
 /// What one rank writes for one scope: the records, and what they point into.
@@ -30247,9 +30277,9 @@ class registry {
   /// (an asynchronous save's, whose training goes on while the files are
   /// written: never_live), each entry's copy number `slot` (one per storage
   /// tier: each tier has one save in flight at a time). Adds the copy's time
-  /// to `copy_seconds`.
+  /// to `copy_seconds`. `slice`: the entries, and ranges, this rank writes.
   part_snapshot snapshot(checkpoint_scope scope, std::size_t live_from, std::size_t slot,
-                         double& copy_seconds);
+                         double& copy_seconds, slice_of slice = {});
   static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at
@@ -30426,15 +30456,32 @@ DTRAIN_DETAIL_INLINE bool registry::per_rank_recuts() const {
 }
 
 DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, std::size_t live_from,
-                                                      std::size_t slot, double& copy_seconds) {
+                                                      std::size_t slot, double& copy_seconds,
+                                                      slice_of slice) {
   part_snapshot out;
   std::size_t owned = 0;
   for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
   out.owned.reserve(owned);  // the records point into these strings: no reallocation
   std::vector<copy_job> copies;
+  const auto index = static_cast<std::uint64_t>(slice.index);
+  const auto count = static_cast<std::uint64_t>(std::max(slice.count, 1));
+  std::uint64_t dealt = 0;  // entries dealt whole so far
   for (entry& e : entries_) {
     if (e.scope != scope) continue;
     part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
+    if (count > 1 && e.kind == entry_kind::values && r.bytes >= slice_of::split_from) {
+      const std::uint64_t n = e.values.count;
+      const std::uint64_t lo = n * index / count, hi = n * (index + 1) / count;
+      if (lo == hi) continue;
+      const std::size_t element = size_of(e.values.type);
+      r.kind = entry_kind::sharded;
+      r.ranged = true;
+      r.range = {n, 1, lo, hi - lo};
+      r.data = static_cast<const char*>(e.values.data) + lo * element;
+      r.bytes = (hi - lo) * element;
+    } else if (count > 1 && dealt++ % count != index) {
+      continue;
+    }
     if (e.kind == entry_kind::bytes) {
       r.type = dtype::uint8;
       out.owned.push_back(e.save());
@@ -30445,11 +30492,12 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, st
       r.data = out.owned.back().data();
       r.bytes = out.owned.back().size();
     } else if (r.bytes > 0 && r.bytes < live_from) {
-      // The entry's own copy, reused by each save (one is in flight at a
-      // time): its pages are touched once per job, not at every save.
+      // The entry's own copy (of its range, in a slice), reused by each save
+      // (one is in flight at a time): its pages are touched once per job,
+      // not at every save.
       if (e.staged.size() <= slot) e.staged.resize(slot + 1);
-      void* to = e.staged[slot].reserve(e.values.bytes());
-      copies.push_back({to, e.values.data, e.values.bytes()});
+      void* to = e.staged[slot].reserve(static_cast<std::size_t>(r.bytes));
+      copies.push_back({to, r.data, static_cast<std::size_t>(r.bytes)});
       r.data = to;
     } else if (r.bytes > 0) {
       out.reads_live = true;
@@ -30713,12 +30761,19 @@ class save_writer {
   std::thread thread_;
 };
 
+/// What of the replicated part one rank writes in a save (tier::replicated_part()).
+struct replicated_share {
+  bool writes = false;
+  slice_of slice;    // of the replicated entries
+  std::string file;  // the part file's name
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
   std::chrono::steady_clock::time_point start;
-  std::filesystem::path partial;   // where this rank writes its parts (tier::staging)
-  bool writes_replicated = false;  // this rank writes the replicated part too
+  std::filesystem::path partial;     // where this rank writes its parts (tier::staging)
+  replicated_share replicated_part;  // what of the replicated part this rank writes
   part_snapshot per_rank, replicated;
   std::optional<file_record> per_rank_file, replicated_file;
   std::string problem;     // this rank's, from its snapshot or its write
@@ -30773,8 +30828,8 @@ class tier {
 
   /// Where this rank writes its parts of `step` (the tier commits or drops them).
   [[nodiscard]] virtual std::filesystem::path staging(std::uint64_t step) const = 0;
-  /// Whether this rank writes the replicated part (every rank calls it, together).
-  [[nodiscard]] virtual bool writes_replicated() = 0;
+  /// What of the replicated part this rank writes (every rank calls it, together).
+  [[nodiscard]] virtual replicated_share replicated_part() = 0;
 
   /// Takes this rank's save `p` (its snapshot taken, or p.problem): writes
   /// its parts into staging and seals them, now or, `asynchronous`, on a
@@ -30911,7 +30966,13 @@ inline file_record write_part(const std::filesystem::path& path, const part_snap
   atomic_file file(path, in_place);
   write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
   for (const part_record& r : part.records) {
-    write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
+    if (r.ranged) {  // a range of a values entry: as a sharded entry's payload
+      write_entry_head(file, r.name, r.kind, r.type, r.shape, sizeof r.range + r.bytes);
+      file.write(r.range.data(), sizeof r.range);
+      if (r.bytes > 0) file.write(r.data, static_cast<std::size_t>(r.bytes));
+    } else {
+      write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
+    }
   }
   return file.finish();
 }
@@ -31013,9 +31074,9 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
         p.per_rank_file =
             tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank, in_place);
       }
-      if (p.writes_replicated) {
+      if (p.replicated_part.writes) {
         p.replicated_file =
-            tier_detail::write_part(p.partial / replicated_name, p.replicated, in_place);
+            tier_detail::write_part(p.partial / p.replicated_part.file, p.replicated, in_place);
       }
     } catch (const std::exception& e) {
       p.problem = e.what();
@@ -31083,7 +31144,10 @@ class disk_tier final : public tier {
   ~disk_tier() override;
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
-  [[nodiscard]] bool writes_replicated() override { return context_.plane.rank() == 0; }
+  /// Rank 0 writes all of it.
+  [[nodiscard]] replicated_share replicated_part() override {
+    return {context_.plane.rank() == 0, {}, std::string(replicated_name)};
+  }
   /// Rank 0 checks the steps, newest first, naming each one skipped; all hear
   /// its choice. Throws checkpoint_error on every rank when it cannot read the directory.
   [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
@@ -31389,9 +31453,10 @@ DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
 /// The memory tier (checkpoint_options::memory_every): copies in a directory
 /// of the node's memory that outlives the workers (dtrun's node agent owns
 /// it, in /dev/shm), in the disk's format. Each rank writes and commits its
-/// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
-/// replicated part, and a manifest), without the other ranks, and keeps its
-/// 2 newest. A restore takes the newest step that every rank holds whole.
+/// own copy, `step-<N>.rank-<R>` (its part, its slice of the replicated part
+/// (replicated_part()), and a manifest), without the other ranks, and keeps
+/// its 2 newest. A restore joins each step's slices on the node's first rank
+/// (join_slices()) and takes the newest step that every rank holds whole.
 /// The copy older than those is not freed but set aside (`spare.rank-<R>`)
 /// and written over by the next save: its pages are mapped already, and
 /// a tmpfs file made anew costs more than the copy's bytes (the node holds
@@ -31430,8 +31495,12 @@ class memory_tier final : public tier {
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
-  /// The node's first rank writes the replicated part (its node is found at the first call).
-  [[nodiscard]] bool writes_replicated() override;
+  /// With one rank on the node, all of it (`replicated.dtck`); with L, the
+  /// node's k-th rank writes slice k of L (`replicated.<k>-of-<L>.<id>.dtck`,
+  /// slice_of: the large values entries cut in L ranges, the others dealt
+  /// whole), so that the node's ranks share the copy's work. The node is
+  /// found at the first call, every rank together.
+  [[nodiscard]] replicated_share replicated_part() override;
   /// The newest step whole on every rank (a rank killed in its save has the
   /// one before, which the others still keep), when it is at least `floor`
   /// (the disk's newest); else rank 0 says why not. Each copy of this rank
@@ -31466,8 +31535,34 @@ class memory_tier final : public tier {
 
  private:
   /// The ranks that share this rank's directory (its node: the same host
-  /// and directory), found once by every rank together.
+  /// and directory), found once by every rank together, with the id of
+  /// their slices (slice_id_).
   const std::vector<int>& node();
+  /// A slice's file name, parsed: "replicated.<k>-of-<L>.<id>.dtck".
+  struct slice_name {
+    int index = 0, count = 0;
+    std::string id;
+  };
+  [[nodiscard]] static std::optional<slice_name> parse_slice(std::string_view name);
+  /// restore(), every rank together: the node's first rank joins the
+  /// slices of the replicated part its node's copies hold (of the 2 newest
+  /// steps whose every slice is whole: `DIR/step-<N>.node`, a copy of the
+  /// replicated part alone, with the world size of the job that wrote it),
+  /// saying which slice of which copy is missing or torn; then every rank
+  /// reads them (whole_replicated()). Joins of an earlier restore go first.
+  void join_slices();
+  /// `copies`' slices of one step, of one save of one job, joined into
+  /// `partial/replicated.dtck`; returns its record. Throws checkpoint_error
+  /// naming the slice that is missing, torn or does not fit the others.
+  static file_record join(
+      const std::map<int, std::pair<std::filesystem::path, file_record>>& slices, int count,
+      const std::filesystem::path& partial);
+  /// `DIR/step-<N>.node`
+  [[nodiscard]] std::filesystem::path joined_dir(std::uint64_t step) const;
+  /// The copy on this node that holds the replicated part of `step` whole,
+  /// of a job of this size: the node's first rank's (one rank on the node),
+  /// or the slices' join; checked when `verify`. Else a checkpoint_error that says why.
+  [[nodiscard]] std::filesystem::path whole_replicated(std::uint64_t step, bool verify);
   /// Where seal() sets aside a copy for the next save: `DIR/spare.rank-<R>`
   /// (never read as a copy).
   [[nodiscard]] std::filesystem::path spare_dir() const;
@@ -31583,8 +31678,10 @@ class memory_tier final : public tier {
   recut_result recut(std::int64_t floor);
 
   std::filesystem::path dir_;
-  std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
-  std::uint64_t failures_ = 0;  // copies not written
+  std::vector<int> node_;  // the ranks sharing dir_ (found at first use)
+  std::string slice_id_;   // the node's first rank's: names this worker set's slices
+  std::vector<std::filesystem::path> joined_;  // join_slices()'s, until the next copy
+  std::uint64_t failures_ = 0;                 // copies not written
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use
@@ -31627,6 +31724,7 @@ class memory_tier final : public tier {
 #include <functional>
 #include <iterator>
 #include <map>
+#include <random>
 #include <set>
 #include <span>
 #include <string_view>
@@ -31651,16 +31749,65 @@ DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   // (each agent makes its own directory, its pid in the name).
   const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
       detail::host_name().value_or("") + ":" + dir_.lexically_normal().string()));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(context_.plane.size()));
-  context_.plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  for (int r = 0; r < context_.plane.size(); ++r) {
-    if (all[static_cast<std::size_t>(r)] == mine) node_.push_back(r);
+  // And a number of this worker's: the node's first rank's names the node's
+  // slices (replicated_part()), so that slices of two sets of workers (two
+  // rounds of a job) are never joined.
+  std::uint64_t nonce =
+      static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
+      (static_cast<std::uint64_t>(::getpid()) << 32);
+  try {
+    std::random_device device;
+    nonce ^= (std::uint64_t{device()} << 32) ^ device();
+  } catch (const std::exception&) {
+    // No device: the time and the pid.
   }
+  const std::array<std::int64_t, 2> both{mine, std::bit_cast<std::int64_t>(nonce)};
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(both, all);
+  for (int r = 0; r < context_.plane.size(); ++r) {
+    if (all[2 * static_cast<std::size_t>(r)] == mine) node_.push_back(r);
+  }
+  slice_id_ =
+      hex64(std::bit_cast<std::uint64_t>(all[2 * static_cast<std::size_t>(node_.front()) + 1]));
   return node_;
 }
 
-DTRAIN_DETAIL_INLINE bool memory_tier::writes_replicated() {
-  return node().front() == context_.plane.rank();
+DTRAIN_DETAIL_INLINE replicated_share memory_tier::replicated_part() {
+  const std::vector<int>& ranks = node();
+  const int count = static_cast<int>(ranks.size());
+  if (count == 1) return {true, {}, std::string(replicated_name)};
+  const int index =
+      static_cast<int>(std::ranges::find(ranks, context_.plane.rank()) - ranks.begin());
+  return {true,
+          {index, count},
+          "replicated." + std::to_string(index) + "-of-" + std::to_string(count) + "." + slice_id_ +
+              ".dtck"};
+}
+
+DTRAIN_DETAIL_INLINE std::optional<memory_tier::slice_name> memory_tier::parse_slice(
+    std::string_view name) {
+  constexpr std::string_view head = "replicated.", tail = ".dtck";
+  if (!name.starts_with(head) || !name.ends_with(tail)) return std::nullopt;
+  name = name.substr(head.size(), name.size() - head.size() - tail.size());
+  const std::size_t dot = name.find('.');
+  const std::size_t of = name.find("-of-");
+  if (dot == std::string_view::npos || of == std::string_view::npos || of > dot)
+    return std::nullopt;
+  auto number = [](std::string_view digits) -> std::optional<int> {
+    int v = 0;
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+    if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size())
+      return std::nullopt;
+    return v;
+  };
+  const auto index = number(name.substr(0, of));
+  const auto count = number(name.substr(of + 4, dot - of - 4));
+  const std::string_view id = name.substr(dot + 1);
+  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  if (!index || !count || *count < 2 || *index < 0 || *index >= *count || id.size() != 16 ||
+      !std::ranges::all_of(id, hex))
+    return std::nullopt;
+  return slice_name{*index, *count, std::string(id)};
 }
 
 DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::copy_dir(std::uint64_t step,
@@ -31698,17 +31845,21 @@ DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(pending_save& p) {
   // The copy seal() set aside is this one's: its files are written over
   // where they are (it is never read as a copy), and it is committed by its
   // rename. Its manifest is written anew at the commit; a part of it not
-  // written now (the node's replicated part, when this rank no longer
-  // writes it) goes. A copy holds no other files (commit_copy()).
+  // written now (a slice of an earlier worker's, of another name) goes. A
+  // copy holds no other files (commit_copy()).
   p.partial = spare;
   const std::string mine = rank_part_name(context_.plane.rank());
-  for (const auto& [name, written] :
-       {std::pair<std::string_view, bool>{mine, !p.per_rank.records.empty()},
-        std::pair<std::string_view, bool>{replicated_name, p.writes_replicated}}) {
-    const std::filesystem::path file = spare / name;
-    if (!written && ::unlink(file.c_str()) != 0 && errno != ENOENT) {
-      fail_os("cannot remove", file, errno);
+  for (std::filesystem::directory_iterator it(spare, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool written = name == manifest_name || (name == mine && !p.per_rank.records.empty()) ||
+                         (name == p.replicated_part.file && p.replicated_part.writes);
+    if (!written && ::unlink(it->path().c_str()) != 0 && errno != ENOENT) {
+      fail_os("cannot remove", it->path(), errno);
     }
+  }
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot read directory " + spare.string() + ": " +
+                           ec.message());
   }
   return true;
 }
@@ -31761,6 +31912,9 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
       remove_checkpoint_tree(recut_dir_);
       recut_dir_.clear();
     }
+    for (const std::filesystem::path& joined : joined_)  // (as recut_dir_)
+      static_cast<void>(detail::remove_tree(joined.c_str()));
+    joined_.clear();
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
@@ -31804,6 +31958,24 @@ inline constexpr std::uint64_t piece_bytes = std::uint64_t{4} << 20;
 inline std::string piece_key(const std::string& prefix, const std::string& file,
                              std::uint64_t piece) {
   return prefix + file + "/" + std::to_string(piece);
+}
+/// The step and the rank of a copy's directory, "step-<N>.rank-<R>"; else
+/// nullopt (a save that died, a copy set aside, a join, not a copy).
+inline std::optional<std::pair<std::uint64_t, int>> copy_name(std::string_view name) {
+  const std::size_t at = name.find(".rank-");
+  if (at == std::string_view::npos) return std::nullopt;
+  const std::string_view of = name.substr(at + 6);
+  int rank = 0;
+  const auto [end, ec] = std::from_chars(of.data(), of.data() + of.size(), rank);
+  const auto step = step_of(name.substr(0, at));
+  if (!step || of.empty() || ec != std::errc() || end != of.data() + of.size() || rank < 0)
+    return std::nullopt;
+  return std::pair{*step, rank};
+}
+/// The step of a join's directory, "step-<N>.node" (join_slices()).
+inline std::optional<std::uint64_t> joined_name(std::string_view name) {
+  if (!name.ends_with(".node")) return std::nullopt;
+  return step_of(name.substr(0, name.size() - 5));
 }
 inline std::string read_text(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
@@ -32005,10 +32177,197 @@ DTRAIN_DETAIL_INLINE void memory_tier::finish(std::unique_ptr<pending_save> p, b
   }
 }
 
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::joined_dir(std::uint64_t step) const {
+  return dir_ / (step_name(step) + ".node");
+}
+
+DTRAIN_DETAIL_INLINE file_record
+memory_tier::join(const std::map<int, std::pair<std::filesystem::path, file_record>>& slices,
+                  int count, const std::filesystem::path& partial) {
+  struct joined_entry {
+    entry_kind kind = entry_kind::values;
+    dtype type = dtype::uint8;
+    std::vector<std::uint64_t> shape;
+    std::string data;
+    std::uint64_t total = 0;  // a cut values entry's elements; 0: whole in one slice
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> got;  // its ranges joined
+  };
+  std::vector<std::string> order;
+  std::map<std::string, joined_entry> entries;
+  std::uint64_t budget = 0;  // the slices' bytes: no entry is made larger
+  for (const auto& [index, at] : slices) budget += at.second.bytes;
+  for (const auto& [index, at] : slices) {
+    const std::filesystem::path file = at.first / at.second.name;
+    static_cast<void>(read_checked_part(file, at.second));  // torn: said by name
+    std::string payload;
+    static_cast<void>(read_part(file, [&](const entry_header& h, checked_reader& in) {
+      payload.assign(static_cast<std::size_t>(h.bytes), '\0');
+      in.read(payload.data(), h.bytes, "entry '" + h.name + "'");
+      const auto [it, fresh] = entries.try_emplace(h.name);
+      joined_entry& e = it->second;
+      if (fresh) order.push_back(h.name);
+      if (h.kind != entry_kind::sharded) {  // dealt whole to this slice
+        if (!fresh) in.malformed("entry '" + h.name + "' is in another slice too");
+        e.kind = h.kind;
+        e.type = h.type;
+        e.shape = h.shape;
+        e.data = std::move(payload);
+        return;
+      }
+      const std::size_t element = size_of(h.type);
+      const sharded_payload cut =
+          parse_sharded(payload, element, "entry '" + h.name + "' of " + file.string());
+      if (cut.ranges.size() != 1) in.malformed("entry '" + h.name + "' is not one range");
+      if (fresh) {
+        if (cut.total > budget / element)
+          in.malformed("entry '" + h.name + "' claims " + std::to_string(cut.total) +
+                       " elements, more than the slices hold");
+        e.type = h.type;
+        e.shape = h.shape;
+        e.total = cut.total;
+        e.data.assign(static_cast<std::size_t>(cut.total * element), '\0');
+      } else if (e.total == 0 || e.type != h.type || e.total != cut.total || e.shape != h.shape) {
+        in.malformed("entry '" + h.name + "' is cut otherwise in another slice");
+      }
+      const auto [global, n] = cut.ranges.front();
+      std::memcpy(e.data.data() + global * element, payload.data() + cut.values_at,
+                  static_cast<std::size_t>(n * element));
+      e.got.emplace_back(global, global + n);
+    }));
+  }
+  atomic_file out(partial / replicated_name, true);
+  write_part_header(out, static_cast<std::uint32_t>(order.size()));
+  for (const std::string& name : order) {
+    joined_entry& e = entries.at(name);
+    if (e.total > 0) {  // its ranges tile the whole, each once
+      std::ranges::sort(e.got);
+      std::uint64_t reached = 0;
+      for (const auto& [lo, hi] : e.got) {
+        if (lo != reached) break;
+        reached = hi;
+      }
+      if (reached != e.total) {
+        throw checkpoint_error("checkpoint: the " + std::to_string(count) +
+                               " slices of the replicated part hold entry '" + name +
+                               "' with a gap or an overlap at element " + std::to_string(reached) +
+                               " of " + std::to_string(e.total));
+      }
+    }
+    write_entry(out, name, e.kind, e.type, e.shape, e.data.data(), e.data.size());
+  }
+  return out.finish();
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::join_slices() {
+  const std::vector<int>& ranks = node();
+  if (ranks.front() == context_.plane.rank()) {
+    // The slices in the node's copies, by step, then by the job's size and
+    // the save (the id of the workers that wrote them): slice -> its copy.
+    struct group {
+      int count = 0;
+      std::map<int, std::pair<std::filesystem::path, file_record>> slices;
+    };
+    std::map<std::uint64_t, std::map<std::pair<int, std::string>, group>, std::greater<>> steps;
+    std::vector<std::filesystem::path> old;  // joins of a restore before
+    std::error_code ec;
+    for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name.ends_with(".node") || name.ends_with(".node" + std::string(partial_suffix))) {
+        old.push_back(it->path());
+        continue;
+      }
+      const auto copy = memory_detail::copy_name(name);
+      if (!copy) continue;
+      const std::uint64_t step = copy->first;
+      try {
+        const manifest m = read_manifest(it->path());
+        if (m.step != step) continue;
+        for (const file_record& f : m.files) {
+          const auto slice = parse_slice(f.name);
+          if (!slice) continue;
+          group& g = steps[step][{m.world_size, slice->id}];
+          if (g.count == 0) g.count = slice->count;
+          if (g.count == slice->count) g.slices[slice->index] = {it->path(), f};
+        }
+      } catch (const std::exception&) {
+        // A torn manifest: its slice is missing below.
+      }
+    }
+    for (const std::filesystem::path& path : old)
+      static_cast<void>(detail::remove_tree(path.c_str()));
+    joined_.clear();
+    std::size_t joined = 0;
+    for (const auto& [step, groups] : steps) {
+      if (joined == 2) break;
+      // This job's size first (its own copies), then any (for a re-cut).
+      std::vector<std::pair<int, const group*>> tries;
+      for (const auto& [key, g] : groups) {
+        if (key.first == context_.plane.size())
+          tries.insert(tries.begin(), {key.first, &g});
+        else
+          tries.emplace_back(key.first, &g);
+      }
+      std::string why;
+      for (const auto& [world, g] : tries) {
+        std::string missing;
+        for (int k = 0; k < g->count; ++k) {
+          if (!g->slices.contains(k)) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
+        }
+        if (!missing.empty()) {
+          if (why.empty())
+            why = "slice(s) " + missing + " of " + std::to_string(g->count) +
+                  " are in no copy on this node (a rank killed in its copy)";
+          continue;
+        }
+        const std::filesystem::path partial =
+            joined_dir(step).string() + std::string(partial_suffix);
+        try {
+          make_directory(partial, false);
+          const file_record whole = join(g->slices, g->count, partial);
+          commit_copy(partial, render(manifest{step, world, {whole}}), joined_dir(step));
+          joined_.push_back(joined_dir(step));
+          why.clear();
+          break;
+        } catch (const std::exception& e) {
+          static_cast<void>(detail::remove_tree(partial.c_str()));
+          if (why.empty()) why = e.what();
+        }
+      }
+      if (why.empty()) {
+        ++joined;
+      } else {
+        tell("memory copy: the replicated part of step " + std::to_string(step) +
+             " is in slices on this node's copies, and " + why + "; not used");
+      }
+    }
+  }
+  static_cast<void>(all_ok(true));  // the joins are made before any rank looks for them
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::whole_replicated(std::uint64_t step,
+                                                                         bool verify) {
+  const std::filesystem::path leader = copy_dir(step, node().front());
+  const std::filesystem::path joined = joined_dir(step);
+  std::error_code ec;
+  const std::filesystem::path copy = std::filesystem::exists(joined, ec) ? joined : leader;
+  const manifest m = verify ? verify_step(copy) : read_manifest(copy);
+  if (m.step != step || !m.find(replicated_name)) {
+    throw checkpoint_error("checkpoint: no copy in " + dir_.string() +
+                           " holds the replicated part of step " + std::to_string(step) +
+                           " whole (" + copy.string() + " does not)");
+  }
+  if (m.world_size != context_.plane.size()) {
+    throw checkpoint_error("checkpoint: " + copy.string() + " holds the replicated part of step " +
+                           std::to_string(step) + " of " + std::to_string(m.world_size) +
+                           " ranks, and this job has " + std::to_string(context_.plane.size()));
+  }
+  return copy;
+}
+
 DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable(bool recuts) {
   std::array<std::int64_t, 2> out{-1, -1};
   const int rank = context_.plane.rank();
-  const int leader = node().front();
   std::vector<std::pair<std::uint64_t, std::filesystem::path>> copies;
   try {
     copies = committed_steps(dir_, ".rank-" + std::to_string(rank));
@@ -32027,13 +32386,8 @@ DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable(bool recuts
                                std::to_string(m.step) + " of " + std::to_string(m.world_size) +
                                " ranks, and this job has " + std::to_string(context_.plane.size()));
       }
-      if (leader != rank) {  // the replicated part, from the node's first rank
-        const manifest l = verify_step(copy_dir(step, leader));
-        if (l.step != step || !l.find(replicated_name)) {
-          throw checkpoint_error("checkpoint: " + copy_dir(step, leader).string() +
-                                 " holds no replicated part of step " + std::to_string(step));
-        }
-      }
+      // The replicated part: the node's first rank's, or its slices joined.
+      if (!m.find(replicated_name)) static_cast<void>(whole_replicated(step, true));
       out[found++] = static_cast<std::int64_t>(step);
     } catch (const std::exception& e) {
       tell(std::string("memory copy: ") + e.what() + "; not used");
@@ -32051,13 +32405,11 @@ DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable_replicated(
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const std::size_t at = name.find(".rank-");
-    if (at == std::string::npos) continue;
-    const std::string_view rank = std::string_view(name).substr(at + 6);
-    if (rank.empty() || !std::ranges::all_of(rank, [](char c) { return c >= '0' && c <= '9'; }))
-      continue;  // a save that died (.partial), or not a copy
-    if (auto step = step_of(std::string_view(name).substr(0, at)))
-      copies[*step].push_back(it->path());
+    if (const auto joined = memory_detail::joined_name(name)) {  // slices joined
+      copies[*joined].push_back(it->path());
+    } else if (const auto copy = memory_detail::copy_name(name)) {
+      copies[copy->first].push_back(it->path());
+    }
   }
   std::size_t found = 0;
   for (auto& [step, paths] : copies) {
@@ -32066,6 +32418,7 @@ DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable_replicated(
     std::string why;
     for (const std::filesystem::path& path : paths) {
       try {
+        if (!read_manifest(path).find(replicated_name)) continue;  // a slice (or none)
         const manifest m = verify_step(path);
         if (m.step == step && m.find(replicated_name)) {
           replicated_copy_[step] = path;
@@ -32118,6 +32471,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
                    ") from its buddy, another node's agent");
     }
   }
+  join_slices();
   const bool recuts = own && entries.per_rank_recuts();
   const std::array<std::int64_t, 2> mine = own ? usable(recuts) : usable_replicated();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
@@ -32400,19 +32754,20 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     std::string prefix{};
   };
   std::map<std::pair<std::uint64_t, int>, std::map<int, reached>, std::greater<>> seen;
+  // The replicated parts joined from slices (join_slices()), by (step, that job's size).
+  std::map<std::pair<std::uint64_t, int>, std::filesystem::path> joined;
   for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const std::size_t at = name.find(".rank-");
-    if (at == std::string::npos) continue;
-    const std::string_view of = std::string_view(name).substr(at + 6);
-    const auto step = step_of(std::string_view(name).substr(0, at));
-    if (!step || of.empty() ||
-        !std::ranges::all_of(of, [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
+    const auto joined_step = memory_detail::joined_name(name);
+    const auto copy = memory_detail::copy_name(name);
+    if (!joined_step && !copy) continue;
     try {
       manifest m = read_manifest(it->path());
-      if (m.step == *step)
-        seen[{m.step, m.world_size}][std::stoi(std::string(of))] = {it->path(), std::move(m)};
+      if (joined_step && m.step == *joined_step) {
+        joined[{m.step, m.world_size}] = it->path();
+      } else if (copy && m.step == copy->first) {
+        seen[{m.step, m.world_size}][copy->second] = {it->path(), std::move(m)};
+      }
     } catch (const std::exception&) {
       // A torn copy: as none (the one who sends it would fail the checksum anyway).
     }
@@ -32462,7 +32817,8 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   int world = 0;
   std::string which, missing;
   const std::map<int, reached>* here = &none;
-  int replicated_of = -1;  // the old rank whose copy holds the replicated part, here
+  int replicated_of = -1;           // the old rank whose copy holds the replicated part, here
+  std::filesystem::path joined_at;  // else its slices joined, here
   std::size_t words = 0;
   std::vector<std::int64_t> reaches;
   // The lowest rank that reaches bit `bit` (an old rank; `world`: the replicated part), or -1.
@@ -32492,12 +32848,15 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     const auto found = seen.find({step, world});
     here = found == seen.end() ? &none : &found->second;
     replicated_of = -1;
+    joined_at.clear();
     for (const auto& [r, copy] : *here) {
       if (r >= world) continue;
       reach[static_cast<std::size_t>(r / 64)] |= std::int64_t{1} << (r % 64);
       if (replicated_of < 0 && copy.m.find(replicated_name)) replicated_of = r;
     }
-    if (replicated_of >= 0)
+    if (const auto j = joined.find({step, world}); replicated_of < 0 && j != joined.end())
+      joined_at = j->second;
+    if (replicated_of >= 0 || !joined_at.empty())
       reach[static_cast<std::size_t>(world / 64)] |= std::int64_t{1} << (world % 64);
     reaches.assign(words * static_cast<std::size_t>(size), 0);
     context_.plane.allgather(reach, reaches);
@@ -32551,7 +32910,8 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     part_source source;
     if (rank == root) {
       try {
-        source = source_of(part < 0 ? replicated_of : part, name);
+        source = part < 0 && replicated_of < 0 ? file_source(joined_at, name)
+                                               : source_of(part < 0 ? replicated_of : part, name);
       } catch (const std::exception& e) {
         tell("memory copy: cannot send " + name + " of " + which + ": " + e.what());
       }
@@ -32622,9 +32982,11 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
         context_.plane.size());
   }
   const std::filesystem::path mine = copy_dir(step, context_.plane.rank());
-  const std::filesystem::path leader = copy_dir(step, node().front());
-  // This rank's manifest, and the replicated part from its node's first rank's.
+  // This rank's manifest, and the replicated part from its node's first
+  // rank's copy, or its slices joined (checked below, as this rank's part).
   manifest m = read_manifest(mine);
+  const std::filesystem::path leader =
+      m.find(replicated_name) ? mine : whole_replicated(step, false);
   const manifest theirs = read_manifest(leader);
   const std::string replicated(replicated_name);
   if (const auto* r = theirs.find(replicated); r && !m.find(replicated)) m.files.push_back(*r);
@@ -33169,7 +33531,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   p->step = static_cast<std::uint64_t>(steps_);
   p->start = start;
   p->partial = t.staging(p->step);
-  p->writes_replicated = t.writes_replicated();
+  p->replicated_part = t.replicated_part();
   // Where the writer reads each entry: copied now (asynchronous), where it
   // lives (synchronous), or where it lives if large (beside the step).
   const bool asynchronous = beside || context_.options.asynchronous;
@@ -33180,9 +33542,9 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
     entries_.before_save();
     p->per_rank = entries_.snapshot(checkpoint_scope::per_rank, live_from, slot,
                                     context_.timings.copy_seconds);
-    if (p->writes_replicated) {
+    if (p->replicated_part.writes) {
       p->replicated = entries_.snapshot(checkpoint_scope::replicated, live_from, slot,
-                                        context_.timings.copy_seconds);
+                                        context_.timings.copy_seconds, p->replicated_part.slice);
     }
   } catch (const std::exception& e) {
     p->problem = e.what();

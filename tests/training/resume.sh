@@ -23,11 +23,11 @@
 #   kill_worker_memory_beside  the same with --memory-beside-step: the copy
 #                read beside the next step, until before_update(). A worker
 #                killed then loses that copy: at most one step trained twice
-#                still, but two when it is rank 0 (the node's first, which
-#                writes the replicated part): it may wait in before_update()
-#                for its reads while the others finish the step. A kill
-#                during a disk save, or in the step after it, resumes from
-#                memory too (that step() writes the copy itself, first).
+#                still, but two when it waited in before_update() for its
+#                reads (each rank reads its slice of the replicated part)
+#                while the others finished the step. A kill during a disk
+#                save, or in the step after it, resumes from memory too (that
+#                step() writes the copy itself, first).
 #   kill_in_save the same, with the kill as soon as a save is seen in progress
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
@@ -224,10 +224,9 @@ case $case_name in
       fail "could not count the steps trained twice in $work/samples"
     echo "steps trained twice: $again"
     allowed=1
-    if [[ $case_name == kill_worker_memory_beside ]] &&
-      grep -q "\] rank 0 (node 0, local rank 0, pid [0-9]*) was killed" "$work/killed.log"; then
-      allowed=2  # rank 0's copy is read beside the next step (the comment at the top)
-      echo "rank 0 was killed: its copy read beside the step may be lost, 2 steps allowed"
+    if [[ $case_name == kill_worker_memory_beside ]]; then
+      allowed=2  # the killed rank's copy, read beside the next step, may be lost (the comment at the top)
+      echo "copies read beside the step: the killed rank's may be lost, 2 steps allowed"
     fi
     ((again <= allowed)) || fail "$again steps were trained twice (the memory tier allows $allowed)"
     leftovers=$(compgen -G "/dev/shm/dtrain-memory-$agent-*")

@@ -103,6 +103,16 @@ struct toy_state {
   }
 };
 
+/// The slice of the replicated part a memory copy's manifest lists
+/// ("replicated.1-of-2": its file's name without the id), or "" for none.
+std::string slice_in(const fs::path& copy) {
+  for (const auto& f : dtrain::detail::ckpt::verify_step(copy).files) {
+    if (f.name.starts_with("replicated.") && f.name != dtrain::detail::ckpt::replicated_name)
+      return f.name.substr(0, f.name.find('.', std::string_view("replicated.").size()));
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST_CASE("checkpoint: remove_tree removes a tree as rm -rf does, links not followed") {
@@ -932,13 +942,15 @@ TEST_CASE("checkpoint: the memory tier resumes from each node's copy, and reads 
     }
   });
   CHECK(restored == std::vector<std::int64_t>(4, 6));
-  // Each rank keeps its own copies, the 2 newest (a node's first rank with
-  // the replicated part), each with its manifest, in its node's directory.
+  // Each rank keeps its own copies, the 2 newest (each with its slice of the
+  // replicated part, its node's k-th rank slice k), each with its manifest,
+  // in its node's directory.
   CHECK(fs::exists(memory.path / "node0" / "step-6.rank-1" / "rank-1.dtck"));
-  CHECK(fs::exists(memory.path / "node0" / "step-6.rank-0" / "replicated.dtck"));
-  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.rank-1" / "replicated.dtck"));
+  CHECK(slice_in(memory.path / "node0" / "step-6.rank-0") == "replicated.0-of-2");
+  CHECK(slice_in(memory.path / "node0" / "step-6.rank-1") == "replicated.1-of-2");
+  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.rank-0" / "replicated.dtck"));
   CHECK(fs::exists(memory.path / "node1" / "step-6.rank-3" / "MANIFEST"));
-  CHECK(fs::exists(memory.path / "node1" / "step-6.rank-2" / "replicated.dtck"));
+  CHECK(slice_in(memory.path / "node1" / "step-6.rank-2") == "replicated.0-of-2");
   CHECK(fs::exists(memory.path / "node1" / "step-5.rank-3" / "MANIFEST"));
   CHECK_FALSE(fs::exists(memory.path / "node1" / "step-4.rank-3"));
   CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.rank-2"));
@@ -947,7 +959,7 @@ TEST_CASE("checkpoint: the memory tier resumes from each node's copy, and reads 
 TEST_CASE("checkpoint: asynchronous memory copies are written beside the steps, whole") {
   scratch_dir disk, memory;
   CHECK(memory_tier_run(disk.path, memory.path, 7, {}, true) == std::vector<std::int64_t>(4, 7));
-  CHECK(fs::exists(memory.path / "node1" / "step-7.rank-2" / "replicated.dtck"));
+  CHECK(slice_in(memory.path / "node1" / "step-7.rank-2") == "replicated.0-of-2");
 }
 
 namespace {
@@ -1306,7 +1318,7 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
           // Each rank's 2 newest copies are held, the ones before dropped.
           CHECK(held(holds_node1, "dtrain/memory/rank-3/round-0/step-6/MANIFEST"));
           CHECK(held(holds_node1, "dtrain/memory/rank-3/round-0/step-5/MANIFEST"));
-          CHECK(held(holds_node0, "dtrain/memory/rank-0/round-0/step-6/replicated.dtck/0"));
+          CHECK(held(holds_node0, "dtrain/memory/rank-0/round-0/step-6/rank-0.dtck/0"));
           CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/round-0/step-4/MANIFEST"));
           CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-0/steps"));
           fs::remove_all(memory.path / "node1");
@@ -1314,9 +1326,10 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
         },
         true, buddy);
     CHECK(restored == std::vector<std::int64_t>(4, 6));
-    // Each committed what it took as its own copy, whole (the node's first
-    // rank's with the replicated part the other reads).
-    CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-2").find(ckpt::replicated_name) !=
+    // Each committed what it took as its own copy, whole (with its slice of
+    // the replicated part, joined at the restore).
+    CHECK(slice_in(memory.path / "node1" / "step-6.rank-2") == "replicated.0-of-2");
+    CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.node").find(ckpt::replicated_name) !=
           nullptr);
     CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-3").find("rank-3.dtck") !=
           nullptr);
@@ -1593,6 +1606,107 @@ TEST_CASE("checkpoint: ranks without a memory copy get the replicated part from 
   for (const int rank : {2, 3}) {
     const fs::path copy = node_of(rank) / ("step-6.rank-" + std::to_string(rank));
     CHECK(ckpt::verify_step(copy).find(ckpt::replicated_name) != nullptr);
+  }
+}
+
+TEST_CASE("checkpoint: a node's ranks write the replicated part in slices, joined at a restore") {
+  // 4 ranks on 2 "nodes", all of the state replicated (a DDP's): a values
+  // entry of 160 KB, cut in 2 ranges of elements (one per rank of a node),
+  // and the toy's small entries, dealt whole. `base` makes two trainings differ.
+  scratch_dir disk, memory;
+  auto node_of = [&](const fs::path& at, int rank) {
+    return at / ("node" + std::to_string(rank / 2));
+  };
+  constexpr std::size_t wide = 40000;
+  auto value = [](std::size_t i, float step, float base) {
+    return base + step * 0.5f + static_cast<float>(i % 977);
+  };
+  auto train = [&](const fs::path& at, float base) {
+    const auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+      toy_state state;
+      std::vector<float> big(wide);
+      dtrain::checkpoint c(plane, {.dir = disk.path,
+                                   .every = 4,
+                                   .quiet = true,
+                                   .memory_every = 1,
+                                   .memory_dir = node_of(at, rank)});
+      state.add_to(c);
+      c.add("big", big);
+      for (int step = 1; step <= 6; ++step) {
+        state.fill(static_cast<float>(step));
+        for (std::size_t i = 0; i < wide; ++i) big[i] = value(i, static_cast<float>(step), base);
+        c.step();
+      }
+    });
+    for (const auto& f : failures) CHECK(f == "");
+  };
+  // Restores the 4 ranks; each checks the values it got against those of step 6.
+  auto restore = [&](float base) {
+    std::vector<std::int64_t> restored(4, -2);
+    const auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+      toy_state again;
+      std::vector<float> big(wide, -1.0f);
+      dtrain::checkpoint d(plane, {.dir = disk.path,
+                                   .quiet = true,
+                                   .memory_every = 1,
+                                   .memory_dir = node_of(memory.path, rank)});
+      again.add_to(d);
+      d.add("big", big);
+      const auto step = d.restore();
+      restored[static_cast<std::size_t>(rank)] = step ? static_cast<std::int64_t>(*step) : -1;
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < wide; ++i) wrong += big[i] != value(i, 6.0f, base) ? 1 : 0;
+      CHECK(wrong == 0);
+      CHECK(again.optimizer == "adam:6");
+      CHECK(again.weight[5] == 11.0f);
+    });
+    for (const auto& f : failures) CHECK(f == "");
+    return restored;
+  };
+  auto damage_disk = [&] {
+    for (const auto& file : fs::directory_iterator(disk.path / "step-4"))
+      fs::resize_file(file.path(), 1);  // a restore that read the disk would fail
+  };
+  train(memory.path, 0.0f);
+  // Each rank's copy holds its slice, none the whole; each slice about half of "big".
+  for (int rank = 0; rank < 4; ++rank) {
+    const fs::path copy = node_of(memory.path, rank) / ("step-6.rank-" + std::to_string(rank));
+    CHECK(slice_in(copy) == "replicated." + std::to_string(rank % 2) + "-of-2");
+    for (const auto& f : ckpt::verify_step(copy).files) {
+      CHECK(f.bytes > wide * sizeof(float) / 2);
+      CHECK(f.bytes < wide * sizeof(float) / 2 + 4096);
+    }
+  }
+  damage_disk();
+  SUBCASE("joined on each node: every value back, nothing read on disk") {
+    CHECK(restore(0.0f) == std::vector<std::int64_t>(4, 6));
+    for (const int node : {0, 1}) {
+      CHECK(ckpt::verify_step(memory.path / ("node" + std::to_string(node)) / "step-6.node")
+                .find(ckpt::replicated_name) != nullptr);
+    }
+  }
+  SUBCASE("a torn slice: its node joins no copy of that step, and gets it from the other node") {
+    const fs::path copy = memory.path / "node1" / "step-6.rank-3";
+    for (const auto& f : ckpt::verify_step(copy).files) {
+      if (f.name.starts_with("replicated.")) fs::resize_file(copy / f.name, f.bytes - 1);
+    }
+    CHECK(restore(0.0f) == std::vector<std::int64_t>(4, 6));
+    CHECK_FALSE(fs::exists(memory.path / "node1" / "step-6.node"));
+    CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-2").find(ckpt::replicated_name) !=
+          nullptr);  // sent by rank 0, whole
+  }
+  SUBCASE("slices of two trainings are never joined") {
+    // Node 0's copy of rank 1 is another training's (its values differ): node
+    // 0 has slice 0 of one and slice 1 of the other, and joins neither.
+    scratch_dir other;
+    train(other.path, 1000.0f);
+    const fs::path theirs = other.path / "node0" / "step-6.rank-1";
+    const fs::path ours = memory.path / "node0" / "step-6.rank-1";
+    fs::remove_all(ours);
+    fs::copy(theirs, ours);
+    damage_disk();
+    CHECK(restore(0.0f) == std::vector<std::int64_t>(4, 6));  // node 1's, sent to node 0
+    CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.node"));
   }
 }
 

@@ -250,7 +250,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   p->step = static_cast<std::uint64_t>(steps_);
   p->start = start;
   p->partial = t.staging(p->step);
-  p->writes_replicated = t.writes_replicated();
+  p->replicated_part = t.replicated_part();
   // Where the writer reads each entry: copied now (asynchronous), where it
   // lives (synchronous), or where it lives if large (beside the step).
   const bool asynchronous = beside || context_.options.asynchronous;
@@ -261,9 +261,9 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
     entries_.before_save();
     p->per_rank = entries_.snapshot(checkpoint_scope::per_rank, live_from, slot,
                                     context_.timings.copy_seconds);
-    if (p->writes_replicated) {
+    if (p->replicated_part.writes) {
       p->replicated = entries_.snapshot(checkpoint_scope::replicated, live_from, slot,
-                                        context_.timings.copy_seconds);
+                                        context_.timings.copy_seconds, p->replicated_part.slice);
     }
   } catch (const std::exception& e) {
     p->problem = e.what();

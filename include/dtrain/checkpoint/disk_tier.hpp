@@ -39,7 +39,10 @@ class disk_tier final : public tier {
   ~disk_tier() override;
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
-  [[nodiscard]] bool writes_replicated() override { return context_.plane.rank() == 0; }
+  /// Rank 0 writes all of it.
+  [[nodiscard]] replicated_share replicated_part() override {
+    return {context_.plane.rank() == 0, {}, std::string(replicated_name)};
+  }
   /// Rank 0 checks the steps, newest first, naming each one skipped; all hear
   /// its choice. Throws checkpoint_error on every rank when it cannot read the directory.
   [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,

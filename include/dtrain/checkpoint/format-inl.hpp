@@ -249,6 +249,14 @@ DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t ent
 DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
                                       dtype type, std::span<const std::uint64_t> shape,
                                       const void* payload, std::uint64_t bytes) {
+  write_entry_head(file, name, kind, type, shape, bytes);
+  if (bytes > 0) file.write(payload, static_cast<std::size_t>(bytes));
+}
+
+DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view name,
+                                           entry_kind kind, dtype type,
+                                           std::span<const std::uint64_t> shape,
+                                           std::uint64_t bytes) {
   file.write_value(static_cast<std::uint32_t>(name.size()));
   file.write(name.data(), name.size());
   file.write_value(static_cast<std::uint8_t>(kind));
@@ -257,7 +265,6 @@ DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, 
   file.write_value(static_cast<std::uint32_t>(shape.size()));
   for (std::uint64_t d : shape) file.write_value(d);
   file.write_value(bytes);
-  if (bytes > 0) file.write(payload, static_cast<std::size_t>(bytes));
 }
 
 DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path)

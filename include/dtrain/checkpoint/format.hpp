@@ -221,6 +221,11 @@ DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t ent
 DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
                                       dtype type, std::span<const std::uint64_t> shape,
                                       const void* payload, std::uint64_t bytes);
+/// An entry's header alone, of a payload of `bytes` that the caller writes next.
+DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view name,
+                                           entry_kind kind, dtype type,
+                                           std::span<const std::uint64_t> shape,
+                                           std::uint64_t bytes);
 
 /// A part file read through once: its entries (payloads not kept), size and
 /// checksum. Throws checkpoint_error naming the file and what is wrong with it.

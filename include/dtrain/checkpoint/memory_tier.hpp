@@ -3,9 +3,10 @@
 /// The memory tier (checkpoint_options::memory_every): copies in a directory
 /// of the node's memory that outlives the workers (dtrun's node agent owns
 /// it, in /dev/shm), in the disk's format. Each rank writes and commits its
-/// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
-/// replicated part, and a manifest), without the other ranks, and keeps its
-/// 2 newest. A restore takes the newest step that every rank holds whole.
+/// own copy, `step-<N>.rank-<R>` (its part, its slice of the replicated part
+/// (replicated_part()), and a manifest), without the other ranks, and keeps
+/// its 2 newest. A restore joins each step's slices on the node's first rank
+/// (join_slices()) and takes the newest step that every rank holds whole.
 /// The copy older than those is not freed but set aside (`spare.rank-<R>`)
 /// and written over by the next save: its pages are mapped already, and
 /// a tmpfs file made anew costs more than the copy's bytes (the node holds
@@ -47,8 +48,12 @@ class memory_tier final : public tier {
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
-  /// The node's first rank writes the replicated part (its node is found at the first call).
-  [[nodiscard]] bool writes_replicated() override;
+  /// With one rank on the node, all of it (`replicated.dtck`); with L, the
+  /// node's k-th rank writes slice k of L (`replicated.<k>-of-<L>.<id>.dtck`,
+  /// slice_of: the large values entries cut in L ranges, the others dealt
+  /// whole), so that the node's ranks share the copy's work. The node is
+  /// found at the first call, every rank together.
+  [[nodiscard]] replicated_share replicated_part() override;
   /// The newest step whole on every rank (a rank killed in its save has the
   /// one before, which the others still keep), when it is at least `floor`
   /// (the disk's newest); else rank 0 says why not. Each copy of this rank
@@ -83,8 +88,34 @@ class memory_tier final : public tier {
 
  private:
   /// The ranks that share this rank's directory (its node: the same host
-  /// and directory), found once by every rank together.
+  /// and directory), found once by every rank together, with the id of
+  /// their slices (slice_id_).
   const std::vector<int>& node();
+  /// A slice's file name, parsed: "replicated.<k>-of-<L>.<id>.dtck".
+  struct slice_name {
+    int index = 0, count = 0;
+    std::string id;
+  };
+  [[nodiscard]] static std::optional<slice_name> parse_slice(std::string_view name);
+  /// restore(), every rank together: the node's first rank joins the
+  /// slices of the replicated part its node's copies hold (of the 2 newest
+  /// steps whose every slice is whole: `DIR/step-<N>.node`, a copy of the
+  /// replicated part alone, with the world size of the job that wrote it),
+  /// saying which slice of which copy is missing or torn; then every rank
+  /// reads them (whole_replicated()). Joins of an earlier restore go first.
+  void join_slices();
+  /// `copies`' slices of one step, of one save of one job, joined into
+  /// `partial/replicated.dtck`; returns its record. Throws checkpoint_error
+  /// naming the slice that is missing, torn or does not fit the others.
+  static file_record join(
+      const std::map<int, std::pair<std::filesystem::path, file_record>>& slices, int count,
+      const std::filesystem::path& partial);
+  /// `DIR/step-<N>.node`
+  [[nodiscard]] std::filesystem::path joined_dir(std::uint64_t step) const;
+  /// The copy on this node that holds the replicated part of `step` whole,
+  /// of a job of this size: the node's first rank's (one rank on the node),
+  /// or the slices' join; checked when `verify`. Else a checkpoint_error that says why.
+  [[nodiscard]] std::filesystem::path whole_replicated(std::uint64_t step, bool verify);
   /// Where seal() sets aside a copy for the next save: `DIR/spare.rank-<R>`
   /// (never read as a copy).
   [[nodiscard]] std::filesystem::path spare_dir() const;
@@ -200,8 +231,10 @@ class memory_tier final : public tier {
   recut_result recut(std::int64_t floor);
 
   std::filesystem::path dir_;
-  std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
-  std::uint64_t failures_ = 0;  // copies not written
+  std::vector<int> node_;  // the ranks sharing dir_ (found at first use)
+  std::string slice_id_;   // the node's first rank's: names this worker set's slices
+  std::vector<std::filesystem::path> joined_;  // join_slices()'s, until the next copy
+  std::uint64_t failures_ = 0;                 // copies not written
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use

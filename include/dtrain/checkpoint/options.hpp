@@ -48,8 +48,9 @@ struct checkpoint_options {
   /// worker restarted on the node resumes from there when that copy is at
   /// least as new as the newest on disk (no read of `dir`); the disk stays
   /// the fallback and the tier for whole-job restarts. Each rank writes and
-  /// commits its own copy (no collective), keeping its 2 newest; a node's
-  /// first rank adds the replicated entries. With `asynchronous`, the state
+  /// commits its own copy (no collective), keeping its 2 newest; the
+  /// replicated entries are cut among a node's ranks, each writing a slice
+  /// (a restore joins them). With `asynchronous`, the state
   /// is copied on the training thread and written on a thread beside the next
   /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
   /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
@@ -72,10 +73,9 @@ struct checkpoint_options {
   /// through add(name, save, load), which step() calls. A rank killed in
   /// the next step before its copy is committed loses that copy, as with
   /// `asynchronous`: the job resumes from the one before, and when the
-  /// killed rank is its node's first (which writes the replicated part)
-  /// and was waiting in before_update() (its reads outlast the forward and
-  /// backward) while the others finished the step, two steps are trained
-  /// again. At a step that also saves to disk synchronously, step() writes
+  /// killed rank was waiting in before_update() (its reads of its slice
+  /// outlast the forward and backward) while the others finished the step,
+  /// two steps are trained again. At a step that also saves to disk synchronously, step() writes
   /// the copy itself, before the disk's (before_update() is due all the
   /// same): a rank killed during the disk's save, or in the next step,
   /// resumes from memory, not from disk. Needs memory_every; independent

@@ -118,15 +118,32 @@ DTRAIN_DETAIL_INLINE bool registry::per_rank_recuts() const {
 }
 
 DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, std::size_t live_from,
-                                                      std::size_t slot, double& copy_seconds) {
+                                                      std::size_t slot, double& copy_seconds,
+                                                      slice_of slice) {
   part_snapshot out;
   std::size_t owned = 0;
   for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
   out.owned.reserve(owned);  // the records point into these strings: no reallocation
   std::vector<copy_job> copies;
+  const auto index = static_cast<std::uint64_t>(slice.index);
+  const auto count = static_cast<std::uint64_t>(std::max(slice.count, 1));
+  std::uint64_t dealt = 0;  // entries dealt whole so far
   for (entry& e : entries_) {
     if (e.scope != scope) continue;
     part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
+    if (count > 1 && e.kind == entry_kind::values && r.bytes >= slice_of::split_from) {
+      const std::uint64_t n = e.values.count;
+      const std::uint64_t lo = n * index / count, hi = n * (index + 1) / count;
+      if (lo == hi) continue;
+      const std::size_t element = size_of(e.values.type);
+      r.kind = entry_kind::sharded;
+      r.ranged = true;
+      r.range = {n, 1, lo, hi - lo};
+      r.data = static_cast<const char*>(e.values.data) + lo * element;
+      r.bytes = (hi - lo) * element;
+    } else if (count > 1 && dealt++ % count != index) {
+      continue;
+    }
     if (e.kind == entry_kind::bytes) {
       r.type = dtype::uint8;
       out.owned.push_back(e.save());
@@ -137,11 +154,12 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, st
       r.data = out.owned.back().data();
       r.bytes = out.owned.back().size();
     } else if (r.bytes > 0 && r.bytes < live_from) {
-      // The entry's own copy, reused by each save (one is in flight at a
-      // time): its pages are touched once per job, not at every save.
+      // The entry's own copy (of its range, in a slice), reused by each save
+      // (one is in flight at a time): its pages are touched once per job,
+      // not at every save.
       if (e.staged.size() <= slot) e.staged.resize(slot + 1);
-      void* to = e.staged[slot].reserve(e.values.bytes());
-      copies.push_back({to, e.values.data, e.values.bytes()});
+      void* to = e.staged[slot].reserve(static_cast<std::size_t>(r.bytes));
+      copies.push_back({to, r.data, static_cast<std::size_t>(r.bytes)});
       r.data = to;
     } else if (r.bytes > 0) {
       out.reads_live = true;

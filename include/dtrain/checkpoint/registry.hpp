@@ -13,6 +13,7 @@
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/error.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -35,6 +36,23 @@ struct part_record {
   std::span<const std::uint64_t> shape;
   const void* data = nullptr;
   std::uint64_t bytes = 0;
+  /// A range of a values entry (a slice's: slice_of), written as a sharded
+  /// entry of one range: the whole's element count, 1, the range's first
+  /// element and its count, then `bytes` at `data` (its values).
+  bool ranged = false;
+  std::array<std::uint64_t, 4> range{};
+};
+
+/// Which of the entries of a scope one rank writes, when `count` ranks share
+/// the writing (the memory tier cuts a node's replicated part among the
+/// node's ranks): a values entry of `split_from` bytes or more is cut into
+/// `count` ranges of elements, the `index`-th written here; the other entries
+/// are dealt whole, in the order added, the j-th to the rank of index j %
+/// count. `count` 1: all of them, whole.
+struct slice_of {
+  int index = 0;
+  int count = 1;
+  static constexpr std::size_t split_from = std::size_t{64} << 10;
 };
 
 /// What one rank writes for one scope: the records, and what they point into.
@@ -77,9 +95,9 @@ class registry {
   /// (an asynchronous save's, whose training goes on while the files are
   /// written: never_live), each entry's copy number `slot` (one per storage
   /// tier: each tier has one save in flight at a time). Adds the copy's time
-  /// to `copy_seconds`.
+  /// to `copy_seconds`. `slice`: the entries, and ranges, this rank writes.
   part_snapshot snapshot(checkpoint_scope scope, std::size_t live_from, std::size_t slot,
-                         double& copy_seconds);
+                         double& copy_seconds, slice_of slice = {});
   static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at

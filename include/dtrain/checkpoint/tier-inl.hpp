@@ -67,7 +67,13 @@ inline file_record write_part(const std::filesystem::path& path, const part_snap
   atomic_file file(path, in_place);
   write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
   for (const part_record& r : part.records) {
-    write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
+    if (r.ranged) {  // a range of a values entry: as a sharded entry's payload
+      write_entry_head(file, r.name, r.kind, r.type, r.shape, sizeof r.range + r.bytes);
+      file.write(r.range.data(), sizeof r.range);
+      if (r.bytes > 0) file.write(r.data, static_cast<std::size_t>(r.bytes));
+    } else {
+      write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
+    }
   }
   return file.finish();
 }
@@ -169,9 +175,9 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
         p.per_rank_file =
             tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank, in_place);
       }
-      if (p.writes_replicated) {
+      if (p.replicated_part.writes) {
         p.replicated_file =
-            tier_detail::write_part(p.partial / replicated_name, p.replicated, in_place);
+            tier_detail::write_part(p.partial / p.replicated_part.file, p.replicated, in_place);
       }
     } catch (const std::exception& e) {
       p.problem = e.what();

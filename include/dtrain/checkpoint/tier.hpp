@@ -82,12 +82,19 @@ class save_writer {
   std::thread thread_;
 };
 
+/// What of the replicated part one rank writes in a save (tier::replicated_part()).
+struct replicated_share {
+  bool writes = false;
+  slice_of slice;    // of the replicated entries
+  std::string file;  // the part file's name
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
   std::chrono::steady_clock::time_point start;
-  std::filesystem::path partial;   // where this rank writes its parts (tier::staging)
-  bool writes_replicated = false;  // this rank writes the replicated part too
+  std::filesystem::path partial;     // where this rank writes its parts (tier::staging)
+  replicated_share replicated_part;  // what of the replicated part this rank writes
   part_snapshot per_rank, replicated;
   std::optional<file_record> per_rank_file, replicated_file;
   std::string problem;     // this rank's, from its snapshot or its write
@@ -142,8 +149,8 @@ class tier {
 
   /// Where this rank writes its parts of `step` (the tier commits or drops them).
   [[nodiscard]] virtual std::filesystem::path staging(std::uint64_t step) const = 0;
-  /// Whether this rank writes the replicated part (every rank calls it, together).
-  [[nodiscard]] virtual bool writes_replicated() = 0;
+  /// What of the replicated part this rank writes (every rank calls it, together).
+  [[nodiscard]] virtual replicated_share replicated_part() = 0;
 
   /// Takes this rank's save `p` (its snapshot taken, or p.problem): writes
   /// its parts into staging and seals them, now or, `asynchronous`, on a
