@@ -162,7 +162,8 @@ dtrain_add_multirank_test(ddp.device_rules.mismatch PROGRAM dtrain_ddp_device_ru
 
 # The straggler watch (issue 51, ddp_options::stragglers; tests/ddp/ddp_straggler.cpp):
 # a rank drawn at random, 20 % of the step late for 50 steps, is named within
-# 5 steps and keeps pace again after; 1,000 clean steps name no rank whose own
+# 10 steps (5 by the watch's rule, which the unit case checks; the host's
+# scheduling of 8 ranks on 2 cores may cost a few more) and keeps pace again after; 1,000 clean steps name no rank whose own
 # steps were on time (the host may make a rank late: ddp_straggler.cpp); a late
 # collective on one rank (its comm hook) is the collectives', not a rank's. On
 # 8 ranks of one host, and of 2 (DTRAIN_NODE_NAME) for the names in the lines.

@@ -203,8 +203,12 @@ int run(Context& ctx, inject what, int steps) {
     }
   }
   if (what == inject::compute) {
+    // Named within 5 steps by the watch's rule (the median of the last 5:
+    // the unit case "straggler watch" checks it exactly); here 8 ranks share
+    // 2 cores with a build, whose scheduling makes some of the other ranks'
+    // steps late too, and the median may need a few more (CI at 46b4ec1: 8).
     CHECK(w.first_named >= first);
-    CHECK(w.first_named <= first + 5);
+    CHECK(w.first_named <= first + 10);
     CHECK(w.recovered > last);
     CHECK(w.recovered <= last + 10);
     CHECK(w.collectives_named < 0);
