@@ -29122,9 +29122,10 @@ struct checkpoint_options {
   /// `asynchronous`: the job resumes from the one before, and when the
   /// killed rank was waiting in before_update() (its reads of its slice
   /// outlast the forward and backward) while the others finished the step,
-  /// two steps are trained again. At a step that also saves to disk synchronously, step() writes
-  /// the copy itself, before the disk's (before_update() is due all the
-  /// same): a rank killed during the disk's save, or in the next step,
+  /// two steps are trained again. At a step that also saves to disk
+  /// synchronously, step() writes the copy itself, before the disk's
+  /// (before_update() is due all the same): a rank killed during the disk's
+  /// save, or in the next step,
   /// resumes from memory, not from disk. Needs memory_every; independent
   /// of `asynchronous` (which is the disk's saves' then).
   bool memory_beside_step = false;
@@ -31551,7 +31552,7 @@ class memory_tier final : public tier {
   /// saying which slice of which copy is missing or torn; then every rank
   /// reads them (whole_replicated()). Joins of an earlier restore go first.
   void join_slices();
-  /// `copies`' slices of one step, of one save of one job, joined into
+  /// `slices` (of one step, of one save of one job), joined into
   /// `partial/replicated.dtck`; returns its record. Throws checkpoint_error
   /// naming the slice that is missing, torn or does not fit the others.
   static file_record join(

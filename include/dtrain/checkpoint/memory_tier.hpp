@@ -104,7 +104,7 @@ class memory_tier final : public tier {
   /// saying which slice of which copy is missing or torn; then every rank
   /// reads them (whole_replicated()). Joins of an earlier restore go first.
   void join_slices();
-  /// `copies`' slices of one step, of one save of one job, joined into
+  /// `slices` (of one step, of one save of one job), joined into
   /// `partial/replicated.dtck`; returns its record. Throws checkpoint_error
   /// naming the slice that is missing, torn or does not fit the others.
   static file_record join(

@@ -75,9 +75,10 @@ struct checkpoint_options {
   /// `asynchronous`: the job resumes from the one before, and when the
   /// killed rank was waiting in before_update() (its reads of its slice
   /// outlast the forward and backward) while the others finished the step,
-  /// two steps are trained again. At a step that also saves to disk synchronously, step() writes
-  /// the copy itself, before the disk's (before_update() is due all the
-  /// same): a rank killed during the disk's save, or in the next step,
+  /// two steps are trained again. At a step that also saves to disk
+  /// synchronously, step() writes the copy itself, before the disk's
+  /// (before_update() is due all the same): a rank killed during the disk's
+  /// save, or in the next step,
   /// resumes from memory, not from disk. Needs memory_every; independent
   /// of `asynchronous` (which is the disk's saves' then).
   bool memory_beside_step = false;
