@@ -1621,7 +1621,8 @@ TEST_CASE("checkpoint: a node's ranks write the replicated part in slices, joine
   auto value = [](std::size_t i, float step, float base) {
     return base + step * 0.5f + static_cast<float>(i % 977);
   };
-  auto train = [&](const fs::path& at, float base) {
+  // Steps first..last (after a restore of first - 1, when first > 1).
+  auto train = [&](const fs::path& at, float base, int first = 1, int last = 6) {
     const auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
       toy_state state;
       std::vector<float> big(wide);
@@ -1632,7 +1633,8 @@ TEST_CASE("checkpoint: a node's ranks write the replicated part in slices, joine
                                    .memory_dir = node_of(at, rank)});
       state.add_to(c);
       c.add("big", big);
-      for (int step = 1; step <= 6; ++step) {
+      if (first > 1) CHECK(c.restore() == static_cast<std::uint64_t>(first - 1));
+      for (int step = first; step <= last; ++step) {
         state.fill(static_cast<float>(step));
         for (std::size_t i = 0; i < wide; ++i) big[i] = value(i, static_cast<float>(step), base);
         c.step();
@@ -1694,6 +1696,20 @@ TEST_CASE("checkpoint: a node's ranks write the replicated part in slices, joine
     CHECK_FALSE(fs::exists(memory.path / "node1" / "step-6.node"));
     CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-2").find(ckpt::replicated_name) !=
           nullptr);  // sent by rank 0, whole
+    // The job goes on 4 steps: each copy is written over one set aside (the
+    // earlier workers', the whole one sent), and holds its slice alone.
+    train(memory.path, 0.0f, 7, 10);
+    for (int rank = 0; rank < 4; ++rank) {
+      for (const int step : {9, 10}) {
+        const fs::path kept = node_of(memory.path, rank) /
+                              ("step-" + std::to_string(step) + ".rank-" + std::to_string(rank));
+        std::vector<std::string> files;
+        for (const auto& f : fs::directory_iterator(kept)) files.push_back(f.path().filename());
+        CAPTURE(kept);
+        CHECK(files.size() == 2);  // its manifest and its slice
+        CHECK(slice_in(kept) == "replicated." + std::to_string(rank % 2) + "-of-2");
+      }
+    }
   }
   SUBCASE("slices of two trainings are never joined") {
     // Node 0's copy of rank 1 is another training's (its values differ): node

@@ -144,9 +144,13 @@ DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(pending_save& p) {
   // The copy seal() set aside is this one's: its files are written over
   // where they are (it is never read as a copy), and it is committed by its
   // rename. Its manifest is written anew at the commit; a part of it not
-  // written now (a slice of an earlier worker's, of another name) goes. A
-  // copy holds no other files (commit_copy()).
+  // written now (the whole replicated part of a copy a restore took, a
+  // slice of an earlier worker's, of another name) goes. A copy holds no
+  // other files (commit_copy()). A copy this worker wrote since it listed
+  // the directory holds the files this save writes, and no others: it is
+  // not listed (a copy may be taken at every step).
   p.partial = spare;
+  if (own_ && spare_known_) return true;
   const std::string mine = rank_part_name(context_.plane.rank());
   for (std::filesystem::directory_iterator it(spare, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -169,13 +173,15 @@ DTRAIN_DETAIL_INLINE void memory_tier::set_aside(std::uint64_t step) {
     // As the saves of this worker left them: no listing.
     own_->insert(own_->begin(), step);
     if (own_->size() <= 2) return;
-    const std::filesystem::path oldest = copy_dir(own_->back(), context_.plane.rank());
+    const std::uint64_t oldest_step = own_->back();
+    const std::filesystem::path oldest = copy_dir(oldest_step, context_.plane.rank());
     own_->pop_back();
     if (spare_) {
       remove_checkpoint_tree(oldest);
     } else {
       rename_path(oldest, spare);
       spare_ = true;
+      spare_known_ = oldest_step >= listed_at_;  // written by this worker since the listing
     }
     return;
   }
@@ -186,6 +192,8 @@ DTRAIN_DETAIL_INLINE void memory_tier::set_aside(std::uint64_t step) {
   const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
   std::error_code ec;
   spare_ = std::filesystem::exists(spare, ec);
+  spare_known_ = false;  // an earlier worker's, or a copy not written by this one
+  listed_at_ = step;
   for (const std::filesystem::path& stale : stale_steps(dir_, step, 2, suffix)) {
     if (!spare_ && stale.filename().string().ends_with(suffix)) {
       rename_path(stale, spare);

@@ -249,6 +249,11 @@ class memory_tier final : public tier {
   /// or a save that failed: nullopt); whether a copy is set aside (spare_dir()).
   std::optional<std::vector<std::uint64_t>> own_;
   bool spare_ = false;
+  /// The step of the save that listed the directory last: this worker wrote
+  /// the copies from it on. Whether the copy set aside is one of them
+  /// (open_staging() then removes none of its files, and lists nothing).
+  std::uint64_t listed_at_ = 0;
+  bool spare_known_ = false;
 
   /// seal(), once `step` is committed: this rank's copies beyond the 2
   /// newest go, but one, set aside for the next save to write over.

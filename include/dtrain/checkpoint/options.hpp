@@ -78,9 +78,9 @@ struct checkpoint_options {
   /// two steps are trained again. At a step that also saves to disk
   /// synchronously, step() writes the copy itself, before the disk's
   /// (before_update() is due all the same): a rank killed during the disk's
-  /// save, or in the next step,
-  /// resumes from memory, not from disk. Needs memory_every; independent
-  /// of `asynchronous` (which is the disk's saves' then).
+  /// save, or in the next step, resumes from memory, not from disk. Needs
+  /// memory_every; independent of `asynchronous` (which is the disk's saves'
+  /// then).
   bool memory_beside_step = false;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
