@@ -16,7 +16,10 @@
 #   replaced         each rank's shard of the optimizer state is its own):
 #                    node 2's agent SIGKILLed and a new one started on node 2
 #                    at once; with the memory tier its ranks take their
-#                    copies back from their buddy, node 1's agent
+#                    copies back from their buddy, node 1's agent. And the
+#                    same with node 1's agent (node 0: it serves the store)
+#                    SIGKILLed and replaced: node 2's agent joins the new
+#                    node 0's store, its ranks' copies held by node 2's agent
 #
 # each from the disk alone and with the memory tier every step (--memory-every 1),
 # and times, from the agents' and workers' output lines (stamped as they
@@ -66,16 +69,18 @@ new_round_started() {  # <dir> <list of files before>
   return 1
 }
 
-# measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first again".
+# measure <log> <samples dir> <kill time> <files before> [<rank 0's log>]: prints
+# "detect restart load first again"; the failure is detected in <log>, the
+# workers' lines are rank 0's (in <log> unless given).
 measure() {
-  local log=$1 samples=$2 killed=$3 before=$4 first
+  local log=$1 samples=$2 killed=$3 before=$4 rank0=${5:-$1} first
   wait_until 60 new_round_started "$samples" "$before" || { echo "no step after the kill" >&2; return 1; }
   first=$(now_ms)
   local detected started loaded
-  detected=$(first_after "$log" "$killed" "restarting every node|forming the next round")
-  started=$(first_after "$log" "${detected:-0}" "training a ")
-  loaded=$(first_after "$log" "${started:-0}" "dtrain checkpoint: resumed from")
-  [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log" >&2; return 1; }
+  detected=$(first_after "$log" "$killed" "restarting every node|forming the next round|node 0's agent is gone, and with it the store")
+  started=$(first_after "$rank0" "${detected:-0}" "training a ")
+  loaded=$(first_after "$rank0" "${started:-0}" "dtrain checkpoint: resumed from")
+  [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log / $rank0" >&2; return 1; }
   # The steps trained again (one change of round here: the killed round's
   # steps at or after the new round's first that it trained).
   local twice
@@ -90,14 +95,15 @@ record() {  # <setup> <detect restart load first>
 
 # kill_and_measure <pid to kill> <log> <samples dir> <job to wait for> <setup>:
 # SIGKILLs the process, measures the recovery, waits for the job to succeed.
-# A 6th argument is a command run right after the kill (a replacement's start).
+# A 6th argument is a command run right after the kill (a replacement's start),
+# a 7th the log where rank 0 prints after it (measure).
 kill_and_measure() {
-  local victim=$1 log=$2 samples=$3 job=$4 setup=$5 after=${6:-} before killed row
+  local victim=$1 log=$2 samples=$3 job=$4 setup=$5 after=${6:-} rank0=${7:-} before killed row
   before=$(echo "$samples"/round-*-rank-0.txt)
   killed=$(now_ms)
   kill -KILL "$victim"
   [[ -z $after ]] || $after
-  row=$(measure "$log" "$samples" "$killed" "$before") || return 1
+  row=$(measure "$log" "$samples" "$killed" "$before" "$rank0") || return 1
   wait "$job" || { echo "the job failed after the kill (see $log)" >&2; return 1; }
   record "$setup" "$row"
 }
@@ -157,26 +163,29 @@ fixed_agent() {
     > >(stamp >"$dir/node$n$suffix.log") 2>&1 &
 }
 
-replaced() {
-  local run=$1 tier=$2
-  local dir=$work/replaced-$tier-$run
+replaced() {  # <run> <tier> <the node whose agent is killed: 2, or 1 (node 0, the store's)>
+  local run=$1 tier=$2 lost=$3 kept=1 rank0=
+  ((lost == 1)) && kept=2
+  local dir=$work/replaced-$tier-$lost-$run
   mkdir -p "$dir/samples"
-  fixed_agent "$dir" 1 "" "$tier"
-  local first=$!
-  fixed_agent "$dir" 2 "" "$tier"
+  fixed_agent "$dir" $kept "" "$tier"
+  local survivor=$!
+  fixed_agent "$dir" $lost "" "$tier"
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
-  local agent2
-  agent2=$(cluster_agent node2 "$demo")
-  [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
+  local victim
+  victim=$(cluster_agent node$lost "$demo")
+  [[ -n $victim ]] || { echo "no agent on node$lost" >&2; return 1; }
   # shellcheck disable=SC2317  # run by kill_and_measure, right after the kill
   replacement() {
-    fixed_agent "$dir" 2 .replacement "$tier"
+    fixed_agent "$dir" $lost .replacement "$tier"
     replacement_pid=$!
   }
-  kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "$first" \
-    "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced, $tier" replacement ||
-    return 1
-  wait "$replacement_pid" || { echo "the replacement failed (see $dir/node2.replacement.log)" >&2; return 1; }
+  ((lost == 1)) && rank0=$dir/node1.replacement.log
+  kill_and_measure "$victim" "$dir/node$kept.log" "$dir/samples" "$survivor" \
+    "2 nodes x 2 (fixed, ZeRO-1), node $lost's agent SIGKILLed and replaced, $tier" replacement \
+    "$rank0" || return 1
+  wait "$replacement_pid" ||
+    { echo "the replacement failed (see $dir/node$lost.replacement.log)" >&2; return 1; }
 }
 
 echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"
@@ -195,7 +204,8 @@ else
   for tier in "${tiers[@]}"; do
     for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" || exit 1; done
     for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" 1 || exit 1; done
-    for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" || exit 1; done
+    for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 2 || exit 1; done
+    for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 1 || exit 1; done
   done
 fi
 
@@ -204,7 +214,8 @@ echo "| setup | tier | detection | restart | load | first step | total | steps t
 echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" \
   "2 nodes x 2 (elastic 1:2, ZeRO-1), node 2's agent SIGKILLed" \
-  "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced"; do
+  "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced" \
+  "2 nodes x 2 (fixed, ZeRO-1), node 1's agent SIGKILLed and replaced"; do
   for tier in "${tiers[@]}"; do
     [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }
     IFS=';' read -r -a rows <<<"${results[$setup, $tier]}"

@@ -30,6 +30,7 @@ import threading
 import time
 
 MAGIC = 0x5A525444
+VERSION = 2  # include/dtrain/rendezvous/protocol.hpp: wire::version
 TOKEN = os.environ.get("DTRAIN_STORE_TOKEN", "attack")
 OPS = dict(set=1, get=2, add=3, compare_set=4, wait=5, check=6, erase=7, num_keys=8, ping=9)
 
@@ -80,9 +81,14 @@ def frame(body):
 def connect(port, token=TOKEN, timeout=10):
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     t = token.encode()
-    s.sendall(struct.pack("<IHH", MAGIC, 1, len(t)) + t)
-    reply = s.recv(3)
-    if len(reply) != 3 or reply[0] != 0:
+    s.sendall(struct.pack("<IHH", MAGIC, VERSION, len(t)) + t)
+    reply = b""
+    while len(reply) < 3 + 8:  # status, version, the server's instance
+        got = s.recv(3 + 8 - len(reply))
+        if not got:
+            break
+        reply += got
+    if len(reply) != 3 + 8 or reply[0] != 0:
         raise ConnectionError(f"handshake refused: {reply!r}")
     return s
 

@@ -4793,7 +4793,11 @@ DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
 /// The store's wire protocol. All integers are little-endian.
 ///
 ///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
-///               server → client: status u8, version u16
+///               server → client: status u8, version u16, and when the status is
+///                                 ok, the server's instance u64 (drawn at random
+///                                 when it starts: a client that reconnects tells
+///                                 a restarted server, which holds none of its
+///                                 keys, from the one it joined)
 ///   request     length u32 (of the body), body: op u8, then the op's fields
 ///   response    length u32, body: status u8, then the payload
 ///
@@ -5030,7 +5034,7 @@ DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string
 namespace dtrain::detail::wire {
 
 inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 
 enum class op : std::uint8_t {
   set = 1,          ///< key, value → ok
@@ -5235,6 +5239,9 @@ namespace dtrain {
 /// trusted): make a new one. The one exception: a connection the server closed
 /// because it was idle (store_options::idle_timeout) is reopened, once, by the
 /// next request; the server closes only connections with no request in flight.
+/// A closed connection is a lost store, not an idle one, when nothing listens
+/// at the address any more (its process ended) or another server does (a new
+/// instance, which holds none of the old one's keys): the request fails at once.
 class store_client {
  public:
   using milliseconds = std::chrono::milliseconds;
@@ -5301,6 +5308,12 @@ class store_client {
     return requests_.load(std::memory_order_relaxed);
   }
 
+  /// The instance of the server this client joined, as its handshake said:
+  /// drawn at random when the server starts, so two clients with the same
+  /// instance meet at the same store. A reconnection to a server with another
+  /// (restarted at the same address) fails: it holds none of this client's keys.
+  [[nodiscard]] std::uint64_t instance() const noexcept { return instance_; }
+
   /// Round trip without effect; a liveness check.
   void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
 
@@ -5327,15 +5340,19 @@ class store_client {
 
   void connect() { connect(options_.timeout); }
 
-  void connect(milliseconds patience);
+  // Connects within `patience`, knocking again while the server is not up;
+  // with `until_refused`, gives up (rendezvous_error) the first time a
+  // connection is refused: nothing listens there any more.
+  void connect(milliseconds patience, bool until_refused = false);
 
   // The handshake; returns why the connection was lost during it (empty on
   // success). A refusal (token, version) throws: knocking again cannot help.
   std::string try_handshake(steady::time_point deadline);
 
-  // One attempt; returns the reason it failed, empty on success, and the
-  // resolver's error code in `resolver_rc` when the name did not resolve.
-  std::string try_connect(steady::time_point deadline, int& resolver_rc);
+  // One attempt; returns the reason it failed, empty on success, the
+  // resolver's error code in `resolver_rc` when the name did not resolve, and
+  // in `refused` whether the host refused the connection (nothing listens).
+  std::string try_connect(steady::time_point deadline, int& resolver_rc, bool& refused);
 
   static int remaining_ms(steady::time_point deadline);
 
@@ -5371,6 +5388,7 @@ class store_client {
   detail::unique_fd fd_;
   bool broken_ = false;
   bool refused_ = false;        // the server answered the handshake with a refusal
+  std::uint64_t instance_ = 0;  // the server's, from the first handshake (0: none yet)
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
   std::atomic<std::uint64_t> requests_{0};
@@ -5528,7 +5546,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::key_list(std::span<const std::str
   return out;
 }
 
-DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
+DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience, bool until_refused) {
   const auto deadline = steady::now() + patience;
   std::minstd_rand jitter(
       static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
@@ -5542,11 +5560,18 @@ DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
   auto next_report = start + options_.progress_interval;
   for (;;) {
     int resolver_rc = 0;
-    last_error = try_connect(deadline, resolver_rc);
+    bool refused = false;
+    last_error = try_connect(deadline, resolver_rc, refused);
     if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
       throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
                          endpoint() + ": " + ::gai_strerror(resolver_rc) +
                          "; check MASTER_ADDR (dtrun --master-addr)");
+    }
+    // Nobody listens there now: a server that closed an idle connection
+    // still would, so the one this client knew has ended.
+    if (refused && until_refused) {
+      throw rendezvous_error("nothing listens at " + endpoint() + " any more (" + last_error +
+                             "): the process that served the store has ended");
     }
     // A server at its connection cap closes newcomers unanswered: knock again.
     if (last_error.empty()) last_error = try_handshake(deadline);
@@ -5590,7 +5615,8 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_handshake(steady::time_point 
 }
 
 DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point deadline,
-                                                           int& resolver_rc) {
+                                                           int& resolver_rc, bool& refused) {
+  refused = false;
   detail::address_list addrs;
   if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
     resolver_rc = rc;
@@ -5605,6 +5631,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point de
     }
     if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
+        refused = errno == ECONNREFUSED;
         why = std::strerror(errno);
         continue;
       }
@@ -5618,6 +5645,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point de
       socklen_t len = sizeof err;
       ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
       if (err != 0) {
+        refused = err == ECONNREFUSED;
         why = std::strerror(err);
         continue;
       }
@@ -5665,6 +5693,19 @@ DTRAIN_DETAIL_INLINE void store_client::handshake(steady::time_point connect_dea
     throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
                            std::to_string(static_cast<int>(s)));
   }
+  const std::uint64_t instance =
+      detail::wire::reader(recv_exact(8, deadline, "the handshake reply")).u64("instance");
+  if (instance_ != 0 && instance != instance_) {
+    // Reconnected to another server at the same address: it holds none of
+    // this client's keys (a replaced node 0 agent, a restarted rank 0).
+    // Knocking again cannot help.
+    refused_ = true;
+    broken_ = true;
+    throw rendezvous_error("the store at " + endpoint() +
+                           " is no longer the one this client joined: its server was restarted, "
+                           "and the new one holds none of the keys of the old");
+  }
+  instance_ = instance;
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::call(const std::string& body,
@@ -5703,7 +5744,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   fd_.reset();
   broken_ = false;
   try {
-    connect(options_.io_timeout);
+    connect(options_.io_timeout, true);
     // The close released them. Each is leased again unless another client
     // set its key since (a node agent that took this one's place while it
     // was frozen): the key is theirs then, and no longer this client's lease.
@@ -5721,7 +5762,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   } catch (const error& e) {
     broken_ = true;
     throw rendezvous_error(what + ": the store at " + endpoint() +
-                           " closed this idle connection and cannot be reached again: " + e.what());
+                           " closed this connection, and it cannot be reopened: " + e.what());
   }
 }
 
@@ -5830,6 +5871,8 @@ DTRAIN_DETAIL_INLINE void store_client::lost(const std::string& what, const std:
 
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -5845,8 +5888,16 @@ namespace dtrain {
 
 namespace detail {
 
+/// Fills `out` with `size` bytes from the kernel's random source; `what`
+/// names the draw in the error thrown when there is none.
+DTRAIN_DETAIL_INLINE void random_fill(unsigned char* out, std::size_t size, const char* what);
+
 /// 128 random bits from the kernel, as 32 hex digits.
 DTRAIN_DETAIL_INLINE std::string new_store_token();
+
+/// 64 random bits from the kernel, never 0: a store server's instance (its
+/// handshake tells a restarted server from the one a client joined).
+DTRAIN_DETAIL_INLINE std::uint64_t new_store_instance();
 
 /// Whether two secrets are equal, compared without an early exit, so that
 /// the time taken does not reveal how much of a guess was right.
@@ -5925,21 +5976,35 @@ DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-DTRAIN_DETAIL_INLINE std::string new_store_token() {
-  unsigned char bytes[16];
+DTRAIN_DETAIL_INLINE void random_fill(unsigned char* out, std::size_t size, const char* what) {
   std::size_t got = 0;
-  while (got < sizeof bytes) {
-    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+  while (got < size) {
+    ssize_t n = ::getrandom(out + got, size - got, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0)
-      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+      throw error(std::string("cannot draw ") + what + ": getrandom: " + std::strerror(errno));
     got += static_cast<std::size_t>(n);
   }
+}
+
+DTRAIN_DETAIL_INLINE std::string new_store_token() {
+  unsigned char bytes[16];
+  random_fill(bytes, sizeof bytes, "a store token");
   std::string out;
   for (unsigned char b : bytes) {
     char hex[3];
     std::snprintf(hex, sizeof hex, "%02x", b);
     out += hex;
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t new_store_instance() {
+  unsigned char bytes[8];
+  std::uint64_t out = 0;
+  while (out == 0) {
+    random_fill(bytes, sizeof bytes, "a store instance");
+    for (unsigned char b : bytes) out = (out << 8) | b;
   }
   return out;
 }
@@ -20090,9 +20155,9 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32, buddy bytes32: the node's place; an
-///                                   agent that finds another's record here leaves the job
-///                                   (agent_store::check_place)
+///                                   rdzv_id bytes32, buddy bytes32, round i64: the node's
+///                                   place; an agent that finds another's record here leaves
+///                                   the job (agent_store::check_place)
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
@@ -20266,6 +20331,10 @@ struct node_record {
   /// HOST:PORT where this agent holds the memory copies that the workers of
   /// the node before it send (checkpoint_options::memory_buddy); empty: none.
   std::string buddy{};
+  /// The round this agent comes into: 0 when it starts, the one after its
+  /// last when it comes back to the store of an agent that took node 0's
+  /// place (the job's rounds go on from the newest any node ran).
+  std::int64_t round = 0;
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
@@ -20400,23 +20469,28 @@ DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
       .bytes32(host)
       .i64(pid)
       .bytes32(rdzv_id)
-      .bytes32(buddy);
+      .bytes32(buddy)
+      .i64(round);
   return out;
 }
 
 DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                                                      std::string_view value) {
-  return wire::decode_value("store key " + key, value, "a node agent's record",
-                            [](wire::reader& r) {
-                              node_record n;
-                              n.nproc = r.i64("nproc");
-                              n.max_restarts = r.i64("max_restarts");
-                              n.host = r.bytes32("the host name");
-                              n.pid = r.i64("the pid");
-                              n.rdzv_id = r.bytes32("the rdzv id");
-                              n.buddy = r.bytes32("the buddy store");
-                              return n;
-                            });
+  return wire::decode_value(
+      "store key " + key, value, "a node agent's record", [](wire::reader& r) {
+        node_record n;
+        n.nproc = r.i64("nproc");
+        n.max_restarts = r.i64("max_restarts");
+        n.host = r.bytes32("the host name");
+        n.pid = r.i64("the pid");
+        n.rdzv_id = r.bytes32("the rdzv id");
+        n.buddy = r.bytes32("the buddy store");
+        n.round = r.i64("the round");
+        if (n.round < 0 || n.round > INT32_MAX - 1) {
+          throw wire::violation("round " + std::to_string(n.round) + " is out of range");
+        }
+        return n;
+      });
 }
 
 DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value) {
@@ -23609,12 +23683,15 @@ class store_server {
 
   detail::task<bool> handshake(connection& c);
 
-  // The handshake's answer: a status and the server's protocol version. (A
-  // function, not a lambda: a coroutine frame that holds a lambda's type
-  // trips -Wsubobject-linkage where the body is compiled out of line.)
-  static std::string reply(status s) {
+  // The handshake's answer: a status and the server's protocol version, and
+  // when it is ok this server's instance. (A function, not a lambda: a
+  // coroutine frame that holds a lambda's type trips -Wsubobject-linkage
+  // where the body is compiled out of line.)
+  [[nodiscard]] std::string reply(status s) const {
     std::string body;
-    detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+    detail::wire::writer w(body);
+    w.u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+    if (s == status::ok) w.u64(instance_);
     return body;
   }
 
@@ -23625,6 +23702,8 @@ class store_server {
   std::string address_;
   store_options options_;
   int port_ = 0;
+  // Drawn when it starts; its handshake tells its clients (wire::version).
+  std::uint64_t instance_ = detail::new_store_instance();
   detail::reactor reactor_;
   detail::unique_fd listen_;
   detail::wait_slot accept_slot_;
@@ -24086,6 +24165,10 @@ class agent_store {
             std::chrono::milliseconds window = std::chrono::milliseconds(2500));
   /// Whether join() took the place of a node whose agent was gone.
   [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// After join(): the round the job goes on with, the newest any node's
+  /// record comes into (node_record::round). 0 for a new job; after node 0's
+  /// agent was replaced, the round after the one the others ran.
+  [[nodiscard]] int resume_round() const noexcept { return resume_round_; }
   /// Throws agent_replaced when this node's place (agent_keys::node) holds
   /// another agent's record: that one took it while this agent did not beat
   /// (frozen, or cut off from the store) for the replacement's window, and the
@@ -24204,6 +24287,7 @@ class agent_store {
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
   bool replacing_ = false;        // join() took a gone agent's place
+  int resume_round_ = 0;          // join(): the newest round of the nodes' records
   std::string place_;             // this agent's record, as take_place() registered it
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
@@ -24462,9 +24546,12 @@ DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me,
   } else {
     meet(joined, what);
   }
+  resume_round_ = 0;
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
-    check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
+    const node_record other = node_record::decode(other_key, client_.get(other_key));
+    check_same_shape(n, other, me);
+    resume_round_ = std::max(resume_round_, static_cast<int>(other.round));
   }
 }
 
@@ -26129,12 +26216,14 @@ DTRAIN_DETAIL_INLINE void agent_round::stop(int sig) {
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <optional>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -26206,6 +26295,15 @@ class node_agent {
   [[nodiscard]] bool elastic() const { return options_.min_nnodes.has_value(); }
 
   void say(const std::string& text, bool verbose = false) const;
+
+  /// After `store` failed: whether node 0's store is gone (nothing answers at
+  /// its address, or a new store does), not merely this call.
+  bool store_lost(detail::agent_store& store) const;
+  /// Node 0's agent is gone with the store (`why`), in round `restart`: waits,
+  /// at most the store timeout, for a store at the same address (an agent that
+  /// takes node 0's place serves it). Returns 0 once one answers, 128 + signal
+  /// when a signal asks the agent to stop; throws timeout_error.
+  int await_new_store(const std::string& why, int restart, std::uint64_t known);
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
@@ -26349,10 +26447,10 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
-  detail::agent_store store(node_rank(), nnodes(),
-                            detail::store_bind_address(env_, master_addr_, nnodes() > 1),
-                            master_addr_, master_port_, store_options_);
-  master_port_ = store.port();
+  const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
+  std::optional<detail::agent_store> store;
+  store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+  master_port_ = store->port();
   say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
           std::to_string(nproc_) + " workers, store at " +
           detail::endpoint_text(master_addr_, master_port_),
@@ -26363,45 +26461,131 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   // the address goes into its node record, and to its own workers.
   std::optional<store_server> buddies;
   buddy_at_ = nnodes() > 1 ? serve_buddies(buddies) : std::string();
-  int restart = 0;  // the round under way, for a failure outside it
-  try {
-    const detail::node_record me{
-        nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
-        ::getpid(), options_.rdzv_id,      buddy_at_};
-    if (elastic()) {
-      store.join_elastic(me);
-    } else {
-      store.join(me);
-    }
-    const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
-    store.leave(options_.grace_period);
-    return status;
-  } catch (const detail::agent_replaced& e) {
-    // The round (if one ran) stopped its workers while unwinding; the job is
-    // the other agent's now: nothing goes to the store.
-    say(e.what());
-    return 1;
-  } catch (const rendezvous_error& e) {
-    say(std::string("lost the rendezvous store (node 0's agent) at ") +
-        detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
-    return 1;
-  } catch (...) {
-    // The round (if one ran) has stopped its workers while unwinding. A
-    // signal that interrupted a wait ends the job like one during the run.
-    const int sig = detail::pending_agent_signal();
-    auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
-                                   : detail::current_failure();
-    // Tell the other nodes, so that they end too instead of waiting for this one.
+  int restart = 0;     // the round under way, for a failure outside it
+  int comes_into = 0;  // the round this agent comes into (node_record::round)
+  for (;;) {
+    std::string lost;  // why node 0's store is gone, when this agent waits for a new one
     try {
-      store.record_failure(restart, status, true,
-                           "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-      store.leave(options_.grace_period);
+      if (!store)
+        store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+      const detail::node_record me{
+          nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
+          ::getpid(), options_.rdzv_id,      buddy_at_,
+          comes_into};
+      if (elastic()) {
+        store->join_elastic(me);
+      } else {
+        store->join(me);
+      }
+      const int status =
+          elastic() ? run_elastic_rounds(*store, restart) : run_rounds(*store, restart);
+      store->leave(options_.grace_period);
+      return status;
+    } catch (const detail::agent_replaced& e) {
+      // The round (if one ran) stopped its workers while unwinding; the job is
+      // the other agent's now: nothing goes to the store.
+      say(e.what());
+      return 1;
+    } catch (const rendezvous_error& e) {
+      const std::string where = detail::endpoint_text(master_addr_, master_port_);
+      // Node 0 serves the store itself: a failed call there is no lost store.
+      if (!store || node_rank() == 0 || !store_lost(*store)) {
+        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what());
+        return 1;
+      }
+      if (elastic() || restart >= options_.max_restarts) {
+        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what() +
+            (elastic() ? "; an elastic job cannot go on without node 0, which serves the store"
+                       : "; no restart is left to wait for an agent to take node 0's place "
+                         "(restarts used: " +
+                             std::to_string(restart) + " of " +
+                             std::to_string(options_.max_restarts) + ")"));
+        return 1;
+      }
+      lost = e.what();
     } catch (...) {
-      // The store is gone too: the other agents notice that themselves.
+      // The round (if one ran) has stopped its workers while unwinding. A
+      // signal that interrupted a wait ends the job like one during the run.
+      const int sig = detail::pending_agent_signal();
+      auto [status, what] = sig != 0
+                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                : detail::current_failure();
+      // Tell the other nodes, so that they end too instead of waiting for this one.
+      try {
+        if (store) {
+          store->record_failure(restart, status, true,
+                                "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+          store->leave(options_.grace_period);
+        }
+      } catch (...) {
+        // The store is gone too: the other agents notice that themselves.
+      }
+      if (sig == 0) throw;
+      say(what + "; stopped this node's workers");
+      return status;
     }
-    if (sig == 0) throw;
-    say(what + "; stopped this node's workers");
-    return status;
+    // Node 0's agent is gone, and with it the store (a fixed-size job with a
+    // restart left): the round under way has stopped this node's workers.
+    // The agent that takes node 0's place serves a new store at the same
+    // address; this one joins it and the job goes on from the next round.
+    const std::uint64_t known = store->client().instance();
+    store.reset();
+    if (const int status = await_new_store(lost, restart, known); status != 0) return status;
+    comes_into = restart + 1;
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
+  store_options probe = store_options_;
+  probe.timeout = std::chrono::seconds(1);
+  probe.progress_interval = std::chrono::milliseconds(0);
+  try {
+    const store_client now(master_addr_, master_port_, probe);
+    return now.instance() != store.client().instance();
+  } catch (const token_error&) {
+    return false;  // a store answers there (with another token): not a lost one
+  } catch (const error&) {
+    return true;  // nothing answers there
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int restart,
+                                                     std::uint64_t known) {
+  const std::string where = detail::endpoint_text(master_addr_, master_port_);
+  say("node 0's agent is gone, and with it the store at " + where + " (" + why +
+      "): this node's workers are stopped; waiting for an agent to take the place of node 0 "
+      "(start one there or on another host with that address, with --node-rank 0), at most the "
+      "store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
+      std::to_string(restart + 1) + " (restart " + std::to_string(restart + 1) + " of " +
+      std::to_string(options_.max_restarts) + ")");
+  store_options probe = store_options_;
+  probe.timeout = std::chrono::seconds(1);
+  probe.progress_interval = std::chrono::milliseconds(0);
+  const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+  for (;;) {
+    if (const int sig = detail::pending_agent_signal(); sig != 0) {
+      say("received signal " + std::to_string(sig) +
+          " while waiting for an agent to take the place of node 0; stopped this node's workers");
+      return 128 + sig;
+    }
+    try {
+      const store_client now(master_addr_, master_port_, probe);
+      // A new store (or the old one, reachable again after all: this agent
+      // then takes its own place back, as a replacement would).
+      if (now.instance() != known) say("a new store answers at " + where + ": joining it", true);
+      return 0;
+    } catch (const token_error&) {
+      throw;  // a store with another secret: not this job's
+    } catch (const error&) {
+      // Not up yet.
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw timeout_error("the node agent waited " +
+                          std::to_string(store_options_.timeout.count() / 1000) +
+                          " s for an agent to take the place of node 0 and serve the store at " +
+                          where + " (DTRAIN_STORE_TIMEOUT)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 
@@ -26480,7 +26664,16 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
   const std::vector<int> everyone = store.all_nodes();
-  restart = 0;
+  // 0, unless this store is that of an agent that took node 0's place: the
+  // job goes on with the round after the one the other nodes ran.
+  restart = store.resume_round();
+  if (restart > 0 && node_rank() == 0) {
+    say("takes the place of node 0's agent, which is gone (with its store): the other nodes' "
+        "agents came back from round " +
+        std::to_string(restart - 1) + ", and the job goes on with round " +
+        std::to_string(restart) + " (restart " + std::to_string(restart) + " of " +
+        std::to_string(options_.max_restarts) + ")");
+  }
   if (store.replacing()) {
     // This agent takes the place of one that is gone: it comes into the
     // job when the round under way, which had that agent's workers, ends.

@@ -36,6 +36,12 @@
 #                      take its place, one started again on node2 does, its ranks take their
 #                      copies from their buddy (node1's agent), and the job ends with the
 #                      uninterrupted run's checksum, with at most one step trained twice
+#   replace_node0      the same with node1's agent SIGKILLed: node 0, which serves the store.
+#                      Node2 finds the store gone at once, stops its workers and waits for an
+#                      agent to take node 0's place; one started again on node1 serves a new
+#                      store at the same address, node2's agent joins it, the job goes on
+#                      with the next round (node1's new ranks take their copies from node2's
+#                      agent) and ends with the uninterrupted run's checksum
 #   freeze_node        the same fixed job, node2 frozen whole at a random step (its agent,
 #                      workers and all: SIGSTOP, its connections open): node1 finds it silent
 #                      (DTRAIN_HEARTBEAT_TIMEOUT 2 s) and waits for an agent to take its place,
@@ -312,7 +318,7 @@ case $case_name in
     python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
       fail "the accuracy $got % is not within a point of $want %"
     ;;
-  replace_node | freeze_node)
+  replace_node | replace_node0 | freeze_node)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     # ZeRO stage 1: a lost node's shards of the optimizer state are on no other node's disk
     # or memory but its buddy's.
@@ -333,35 +339,40 @@ case $case_name in
     ((s1 == 0 && s2 == 0)) || fail "the uninterrupted job exited with $s1 / $s2"
     want=$(checksum_of "$work/node1.reference.out")
     [[ -n $want ]] || fail "the uninterrupted job printed no checksum"
-    # The same job with a memory copy every step and the disk every 10; node2's
-    # agent is SIGKILLed at a random step past the first checkpoint, and an agent
-    # started again on node2 takes its place.
+    # The same job with a memory copy every step and the disk every 10; the lost
+    # node's agent (node2's; node1's, node 0 that serves the store, in replace_node0)
+    # is SIGKILLed at a random step past the first checkpoint, and an agent
+    # started again there takes its place.
+    lost=2 kept=1
+    [[ $case_name == replace_node0 ]] && lost=1 kept=2
+    rank0=node1  # where rank 0 prints, once the job is over
+    [[ $case_name == replace_node0 ]] && rank0=node1.replacement
     port=$((port + 1))
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
          --sample-log "$work/samples")
     [[ $case_name == freeze_node ]] && heartbeat=2
-    start_node 1 "" "${job[@]}"
+    start_node $kept "" "${job[@]}"
     first=$!
-    start_node 2 "" "${job[@]}"
+    start_node $lost "" "${job[@]}"
     old=$!
     wait_for "a checkpoint" compgen -G "$work/ckpt/step-*[0-9]"
     at=$((10 + RANDOM % 40))
     logged() { (($(cat "$work"/samples/round-0-rank-0.txt 2>/dev/null | wc -l) >= $1)); }
     wait_for "step $at in the sample log" logged "$at"
-    agent2=$(cluster_agent node2 "$bin/dtrain_train_mlp")
-    [[ -n $agent2 ]] || fail "no agent found on node2"
-    if [[ $case_name == replace_node ]]; then
-      kill -KILL "$agent2"
-      echo "killed node2's agent (pid $agent2) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+    agent=$(cluster_agent node$lost "$bin/dtrain_train_mlp")
+    [[ -n $agent ]] || fail "no agent found on node$lost"
+    if [[ $case_name != freeze_node ]]; then
+      kill -KILL "$agent"
+      echo "killed node$lost's agent (pid $agent) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
     else
       frozen=$(cluster_pids node2 | xargs)
       kill -STOP $frozen
       echo "froze node2 (pids $frozen) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
     fi
-    wait_for "node1 to wait for a replacement" \
-      grep -q "waiting for an agent to take the place of node 1" "$work/node1.err"
-    start_node 2 .replacement "${job[@]}"
+    wait_for "node$kept to wait for a replacement" \
+      grep -q "waiting for an agent to take the place of node $((lost - 1))" "$work/node$kept.err"
+    start_node $lost .replacement "${job[@]}"
     second=$!
     if [[ $case_name == freeze_node ]]; then
       grep -q "node 1's agent stopped responding: no heartbeat for 2 s" "$work/node1.err" ||
@@ -379,21 +390,31 @@ case $case_name in
     fi
     wait "$first"; status1=$?
     wait "$second"; status2=$?
-    grep -h "dtrain agent\|resumed\|memory tier" "$work/node1.err" "$work/node2.replacement.err" |
+    grep -h "dtrain agent\|resumed\|memory tier" "$work/node$kept.err" "$work/node$lost.replacement.err" |
       grep -v "^dtrain checkpoint: saved" | head -20
-    ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, the replacement with $status2"
-    grep -q "takes the place of node 1's agent, which is gone" "$work/node2.replacement.err" ||
-      fail "the replacement did not say whose place it took"
-    # Node2's new ranks had no copies: each took its own from node1's agent,
-    # and every rank resumed from memory (nothing read from the disk).
-    grep -q "memory tier: rank(s) 2, 3 had no copy of their newest step on their node.*from its buddy" \
-      "$work/node1.err" || fail "the replacement's ranks did not take their copies from their buddy"
-    grep -q "resumed from the memory copy of step" "$work/node1.err" ||
+    ((status1 == 0 && status2 == 0)) ||
+      fail "node$kept exited with $status1, the replacement with $status2"
+    if [[ $case_name == replace_node0 ]]; then
+      grep -q "takes the place of node 0's agent, which is gone (with its store)" \
+        "$work/node1.replacement.err" || fail "the replacement did not say whose place it took"
+      grep -q "node 0's agent is gone, and with it the store at node1:$port" "$work/node2.err" ||
+        fail "node2 did not say that node 0's agent and its store were gone"
+    else
+      grep -q "takes the place of node 1's agent, which is gone" "$work/node2.replacement.err" ||
+        fail "the replacement did not say whose place it took"
+    fi
+    # The new node's ranks had no copies: each took its own from its buddy (the
+    # next node's agent), and every rank resumed from memory (nothing read from the disk).
+    new_ranks="2, 3"
+    [[ $case_name == replace_node0 ]] && new_ranks="0, 1"
+    grep -q "memory tier: rank(s) $new_ranks had no copy of their newest step on their node.*from its buddy" \
+      "$work/$rank0.err" || fail "the replacement's ranks did not take their copies from their buddy"
+    grep -q "resumed from the memory copy of step" "$work/$rank0.err" ||
       fail "the job did not resume from memory"
     check_samples "$work/samples" 8192 3
-    got=$(checksum_of "$work/node1.out")
+    got=$(checksum_of "$work/$rank0.out")
     [[ $got == "$want" ]] || fail "checksum $got after the replacement, $want uninterrupted"
-    echo "replaced node2 and resumed from memory: checksum $got, the uninterrupted run's"
+    echo "replaced node$lost and resumed from memory: checksum $got, the uninterrupted run's"
     ;;
   loopback_hostname)
     cluster_up 2 1gbit

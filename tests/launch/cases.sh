@@ -71,6 +71,25 @@ check_world() {
   done
 }
 
+# A fixed job of 3 agents on this host with a restart left, each running one shell worker that
+# writes its pid to $work/pids/r<round>.<rank>.pid, hangs in round 0, and in a later round waits
+# $1 seconds and says "rank R done in round K of world W". Sets port; then
+# `three_agents_agent <node rank> [VAR=value...]`, started with & (it execs: $! is dtrun's pid),
+# starts one agent, with those variables in its environment.
+three_agents() {
+  mkdir "$work/pids"
+  port=$(free_port)
+  export PIDS="$work/pids" ROUND_SLEEP=$1
+}
+three_agents_agent() {
+  local rank=$1
+  shift
+  exec env "$@" "$DTRUN" --nnodes 3 --node-rank "$rank" --max-restarts 1 --grace-period 1 \
+    --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/r$TORCHELASTIC_RESTART_COUNT.$RANK.pid"
+if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 60; fi
+sleep "$ROUND_SLEEP"; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT of world $WORLD_SIZE"'
+}
+
 case $case_name in
 two_nodes)
   # Two agents on this machine playing nodes 0 and 1 of one job, 2 workers each.
@@ -207,11 +226,13 @@ agent_failure_paths)
   # The store lost: node 0's agent is SIGKILLed while node 1's workers run.
   rm -f "$work"/pids/*
   port=$(free_port)
-  # Node 1 tries to reach the store again for DTRAIN_STORE_IO_TIMEOUT before it gives up.
+  # Node 1 finds nothing listening at the store's address and gives up at once (not after
+  # DTRAIN_STORE_IO_TIMEOUT, long here: it would knock again only at a store that still listens);
+  # with no restart left, it does not wait for an agent to take node 0's place (node0_replaced).
   "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
     >"$work/s0.out" 2>"$work/s0.err" &
   s0=$!
-  DTRAIN_STORE_IO_TIMEOUT=2 "$DTRUN_ASAN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
+  DTRAIN_STORE_IO_TIMEOUT=60 "$DTRUN_ASAN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
     >"$work/s1.out" 2>"$work/s1.err" &
   s1=$!
   wait_for_pids "$work/pids" 2
@@ -219,7 +240,7 @@ agent_failure_paths)
   wait $s0 2>/dev/null
   wait $s1
   expect_status 1 $? "node 1's dtrun after node 0's agent died"
-  expect_line "$work/s1.err" '^\[dtrain agent node 1/2\] lost the rendezvous store \(node 0.s agent\) at 127\.0\.0\.1:[0-9]+: ' "node 1's message"
+  expect_line "$work/s1.err" '^\[dtrain agent node 1/2\] lost the rendezvous store \(node 0.s agent\) at 127\.0\.0\.1:[0-9]+: .*; no restart is left to wait for an agent to take node 0.s place \(restarts used: 0 of 0\)$' "node 1's message"
   expect_all_gone "$work/pids"
   no_sanitizer_report "$work/s1.err"
   ;;
@@ -331,16 +352,8 @@ replaced_agent_wakes)
   # --node-rank 1 takes its place, and the next round runs with it. Then the frozen agent wakes
   # (SIGCONT): it must find its place taken, stop its worker and leave with status 1, touching
   # nothing of the job, which ends 0.
-  mkdir "$work/pids"
-  port=$(free_port)
-  export PIDS="$work/pids"
-  worker='echo $$ >"$PIDS/r$TORCHELASTIC_RESTART_COUNT.$RANK.pid"
-if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 60; fi
-sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
-  agent() {  # agent <node rank> <heartbeat timeout>, started with &: exec, so that $! is dtrun's pid
-    DTRAIN_HEARTBEAT_TIMEOUT=$2 exec "$DTRUN" --nnodes 3 --node-rank "$1" --max-restarts 1 \
-      --grace-period 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c "$worker"
-  }
+  three_agents 4
+  agent() { three_agents_agent "$1" DTRAIN_HEARTBEAT_TIMEOUT="$2"; }  # agent <node rank> <heartbeat timeout>
   agent 0 60 >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   agent 1 2 >"$work/n1.out" 2>"$work/n1.err" &
@@ -375,10 +388,53 @@ sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
   wait $n1b
   expect_status 0 $? "the replacement"
   expect_line "$work/n1b.err" "takes the place of node 1's agent, which is gone: waiting for round 0 to end" "the replacement's message"
-  expect_line "$work/n0.out" "^rank 0 done in round 1$" "node 0's worker"
-  expect_line "$work/n1b.out" "^rank 1 done in round 1$" "the replacement's worker"
-  expect_line "$work/n2.out" "^rank 2 done in round 1$" "node 2's worker"
+  expect_line "$work/n0.out" "^rank 0 done in round 1 of world 3$" "node 0's worker"
+  expect_line "$work/n1b.out" "^rank 1 done in round 1 of world 3$" "the replacement's worker"
+  expect_line "$work/n2.out" "^rank 2 done in round 1 of world 3$" "node 2's worker"
   [[ $(ls "$work/pids" | wc -l) == 6 ]] || fail "workers started: $(ls "$work/pids" | xargs), expected r0.0-2 and r1.0-2"
+  expect_all_gone "$work/pids"
+  ;;
+
+node0_replaced)
+  # A fixed job of 3 nodes with a restart left. Node 0's agent, which serves the store, is
+  # SIGKILLed while every node's worker runs: nodes 1 and 2 find the store gone at once (not
+  # after DTRAIN_STORE_IO_TIMEOUT, 100 s here), stop their workers and wait for an agent to take
+  # node 0's place. One started with --node-rank 0 at the same address serves a new store; the
+  # others join it, and the job goes on with round 1 (its restart), which ends 0.
+  three_agents 0
+  agent() { three_agents_agent "$1" DTRAIN_STORE_IO_TIMEOUT=100; }  # agent <node rank>
+  agent 0 >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  agent 1 >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  agent 2 >"$work/n2.out" 2>"$work/n2.err" &
+  n2=$!
+  wait_for_pids "$work/pids" 3
+  kill -KILL $n0
+  wait $n0 2>/dev/null
+  for n in 1 2; do
+    for _ in $(seq 300); do
+      grep -q "waiting for an agent to take the place of node 0" "$work/n$n.err" && break
+      sleep 0.1
+    done
+    expect_line "$work/n$n.err" "node 0's agent is gone, and with it the store at 127\.0\.0\.1:$port \(.*\): this node's workers are stopped; waiting for an agent to take the place of node 0 \(start one there or on another host with that address, with --node-rank 0\), at most the store timeout \(DTRAIN_STORE_TIMEOUT\); the job then goes on with round 1 \(restart 1 of 1\)" "node $n's call for a replacement of node 0"
+  done
+  # Round 0's workers are gone on every node (node 0's with its agent: its warden).
+  expect_all_gone "$work/pids"
+  agent 0 >"$work/n0b.out" 2>"$work/n0b.err" &
+  n0b=$!
+  wait $n0b
+  expect_status 0 $? "the agent that took node 0's place"
+  wait $n1
+  expect_status 0 $? "node 1's agent"
+  wait $n2
+  expect_status 0 $? "node 2's agent"
+  expect_line "$work/n0b.err" "takes the place of node 0's agent, which is gone \(with its store\): the other nodes' agents came back from round 0, and the job goes on with round 1 \(restart 1 of 1\)" "the new node 0's message"
+  expect_line "$work/n0b.out" "^rank 0 done in round 1 of world 3$" "node 0's new worker"
+  expect_line "$work/n1.out" "^rank 1 done in round 1 of world 3$" "node 1's worker"
+  expect_line "$work/n2.out" "^rank 2 done in round 1 of world 3$" "node 2's worker"
+  [[ $(ls "$work/pids" | xargs) == "r0.0.pid r0.1.pid r0.2.pid r1.0.pid r1.1.pid r1.2.pid" ]] ||
+    fail "workers started: $(ls "$work/pids" | xargs), expected r0.0-2 and r1.0-2"
   expect_all_gone "$work/pids"
   ;;
 

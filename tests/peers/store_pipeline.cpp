@@ -78,9 +78,9 @@ int main(int argc, char** argv) {
       .u16(dtrain::detail::wire::version)
       .bytes16(token);
   send_all(fd, hello);
-  char reply[3];
+  char reply[3 + 8];  // status, version, the server's instance
   std::size_t got = 0;
-  while (got < 3) got += recv_some(fd, reply + got, 3 - got);
+  while (got < sizeof reply) got += recv_some(fd, reply + got, sizeof reply - got);
   if (reply[0] != 0) die("handshake refused");
 
   std::string body(1, static_cast<char>(op == "ping" ? dtrain::detail::wire::op::ping

@@ -147,8 +147,8 @@ inline std::string hello(std::string_view token = "",
 
 inline void raw_socket::handshake(std::string_view token) {
   send(hello(token));
-  auto reply = receive(3);
-  REQUIRE(reply.size() == 3);
+  auto reply = receive(3 + 8);  // status, version, the server's instance
+  REQUIRE(reply.size() == 3 + 8);
   REQUIRE(reply[0] == static_cast<char>(dtrain::detail::wire::status::ok));
 }
 

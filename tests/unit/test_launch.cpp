@@ -271,13 +271,19 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
       (void)failure_record::decode("dtrain/agent/0/failure", "3 0 old format"),
       doctest::Contains("store key dtrain/agent/0/failure does not hold a failure record"),
       dtrain::rendezvous_error);
-  const node_record n{4, 2, "host-a", 1234, "job-7", "10.0.0.2:41234"};
+  const node_record n{4, 2, "host-a", 1234, "job-7", "10.0.0.2:41234", 3};
   const node_record m = node_record::decode("k", n.encode());
   CHECK(m.nproc == 4);
   CHECK(m.max_restarts == 2);
   CHECK(m.who() == "host-a:1234");
   CHECK(m.rdzv_id == "job-7");
   CHECK(m.buddy == "10.0.0.2:41234");
+  CHECK(m.round == 3);
+  CHECK_THROWS_WITH_AS(
+      (void)node_record::decode("dtrain/agent/node/1",
+                                node_record{4, 2, "host-a", 1234, "", "", -1}.encode()),
+      doctest::Contains("store key dtrain/agent/node/1 does not hold a node agent's record"),
+      dtrain::rendezvous_error);
   CHECK_THROWS_AS((void)node_record::decode("k", n.encode() + "!"), dtrain::rendezvous_error);
   CHECK(dtrain::detail::decode_port("k", dtrain::detail::encode_port(29500)) == 29500);
   CHECK_THROWS_WITH_AS((void)dtrain::detail::decode_port("dtrain/agent/0/worker_port",
@@ -785,6 +791,45 @@ TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to
             .find("node 0 (host-0:100) runs 2 workers, this node 4; every node must run the "
                   "same nproc_per_node") != std::string::npos);
   CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
+}
+
+TEST_CASE("fixed join: agents that come back to a new node 0's store go on with their next round") {
+  using dtrain::detail::agent_store;
+  const dtrain::store_options options{.timeout = 20s, .token = "unit-test-new-store"};
+  std::optional<agent_store> node0(std::in_place, 0, 3, "127.0.0.1", "127.0.0.1", 0, options);
+  const int port = node0->port();
+  {
+    // A new job: every record comes into round 0.
+    agent_store node1{1, 3, "127.0.0.1", "127.0.0.1", port, options};
+    agent_store node2{2, 3, "127.0.0.1", "127.0.0.1", port, options};
+    std::thread join1([&] { node1.join({1, 2, "host-1", 200}); });
+    std::thread join2([&] { node2.join({1, 2, "host-2", 300}); });
+    node0->join({1, 2, "host-0", 100});
+    join1.join();
+    join2.join();
+    CHECK(node0->resume_round() == 0);
+    CHECK(node1.resume_round() == 0);
+    const std::uint64_t old = node1.client().instance();
+    // Node 0's agent is gone with its store, and a new one serves a store at
+    // the same address: another instance, which the old clients do not join.
+    node0.reset();
+    CHECK_THROWS_AS(node1.client().ping(), dtrain::rendezvous_error);
+    node0.emplace(0, 3, "127.0.0.1", "127.0.0.1", port, options);
+    CHECK(node0->client().instance() != old);
+  }
+  // Nodes 1 and 2 come back from round 1 (the new node 0 knows no round):
+  // every agent goes on with round 2.
+  agent_store node1{1, 3, "127.0.0.1", "127.0.0.1", port, options};
+  agent_store node2{2, 3, "127.0.0.1", "127.0.0.1", port, options};
+  std::thread join1([&] { node1.join({1, 2, "host-1", 200, "", "", 2}); });
+  std::thread join2([&] { node2.join({1, 2, "host-2", 300, "", "", 2}); });
+  node0->join({1, 2, "host-0b", 400});
+  join1.join();
+  join2.join();
+  CHECK(node0->resume_round() == 2);
+  CHECK(node1.resume_round() == 2);
+  CHECK(node2.resume_round() == 2);
+  CHECK_FALSE(node0->replacing());
 }
 
 TEST_CASE(

@@ -2,6 +2,7 @@
 #include "store_support.hpp"
 
 #include <atomic>
+#include <optional>
 
 #include <sys/resource.h>
 
@@ -65,7 +66,8 @@ TEST_CASE("store faults: bad clients are cut off with a logged reason, others ar
     REQUIRE(reply.size() == 3);
     CHECK(reply[0] == static_cast<char>(wire::status::bad_version));
     CHECK(old.closed_by_server());
-    CHECK_CONTAINS(logs.wait_for("protocol version 99"), "this server 1");
+    CHECK_CONTAINS(logs.wait_for("protocol version 99"),
+                   "this server " + std::to_string(wire::version));
   }
   SUBCASE("garbage after the handshake: an unknown operation") {
     raw_socket garbage(port);
@@ -183,6 +185,42 @@ TEST_CASE("store faults: the server process killed mid-wait makes the client fai
   CHECK_CONTAINS(error, "get(\"never\"): lost the connection to the store at 127.0.0.1:" +
                             std::to_string(port));
   CHECK_THROWS_WITH_AS(c.ping(), doctest::Contains("was lost earlier"), dtrain::rendezvous_error);
+}
+
+TEST_CASE(
+    "store faults: a client whose server ended fails at once, and never joins its successor") {
+  // A closed connection is reopened only where the same server still
+  // listens (it closed the connection as idle): io_timeout is long, so a
+  // client that knocked again until then would show in the message.
+  const store_options options{.timeout = 20s, .io_timeout = 60s, .log = [](std::string_view) {}};
+  std::optional<store_server> server(std::in_place, "127.0.0.1", 0, options);
+  const int port = server->port();
+  store_client c("127.0.0.1", port, options);
+  c.set("k", "v");
+  const std::uint64_t first = c.instance();
+  CHECK(first != 0);
+  SUBCASE("nothing listens any more") {
+    server.reset();
+    std::string error;
+    try {
+      c.ping();
+    } catch (const dtrain::rendezvous_error& e) {
+      error = e.what();
+    }
+    CHECK_CONTAINS(error, "nothing listens at 127.0.0.1:" + std::to_string(port) + " any more");
+  }
+  SUBCASE("a new server at the same address: another instance, without the old keys") {
+    server.reset();
+    server.emplace("127.0.0.1", port, options);
+    store_client fresh("127.0.0.1", port, options);
+    CHECK(fresh.instance() != first);
+    CHECK_FALSE(fresh.check(std::vector<std::string>{"k"}));
+    CHECK_THROWS_WITH_AS(c.ping(),
+                         doctest::Contains("is no longer the one this client joined: its server "
+                                           "was restarted"),
+                         dtrain::rendezvous_error);
+    CHECK_THROWS_WITH_AS(c.ping(), doctest::Contains("was lost earlier"), dtrain::rendezvous_error);
+  }
 }
 
 TEST_CASE("store faults: workers started before the server connect once it appears") {

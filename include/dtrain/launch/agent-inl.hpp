@@ -97,10 +97,10 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
-  detail::agent_store store(node_rank(), nnodes(),
-                            detail::store_bind_address(env_, master_addr_, nnodes() > 1),
-                            master_addr_, master_port_, store_options_);
-  master_port_ = store.port();
+  const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
+  std::optional<detail::agent_store> store;
+  store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+  master_port_ = store->port();
   say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
           std::to_string(nproc_) + " workers, store at " +
           detail::endpoint_text(master_addr_, master_port_),
@@ -111,45 +111,131 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   // the address goes into its node record, and to its own workers.
   std::optional<store_server> buddies;
   buddy_at_ = nnodes() > 1 ? serve_buddies(buddies) : std::string();
-  int restart = 0;  // the round under way, for a failure outside it
-  try {
-    const detail::node_record me{
-        nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
-        ::getpid(), options_.rdzv_id,      buddy_at_};
-    if (elastic()) {
-      store.join_elastic(me);
-    } else {
-      store.join(me);
-    }
-    const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
-    store.leave(options_.grace_period);
-    return status;
-  } catch (const detail::agent_replaced& e) {
-    // The round (if one ran) stopped its workers while unwinding; the job is
-    // the other agent's now: nothing goes to the store.
-    say(e.what());
-    return 1;
-  } catch (const rendezvous_error& e) {
-    say(std::string("lost the rendezvous store (node 0's agent) at ") +
-        detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
-    return 1;
-  } catch (...) {
-    // The round (if one ran) has stopped its workers while unwinding. A
-    // signal that interrupted a wait ends the job like one during the run.
-    const int sig = detail::pending_agent_signal();
-    auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
-                                   : detail::current_failure();
-    // Tell the other nodes, so that they end too instead of waiting for this one.
+  int restart = 0;     // the round under way, for a failure outside it
+  int comes_into = 0;  // the round this agent comes into (node_record::round)
+  for (;;) {
+    std::string lost;  // why node 0's store is gone, when this agent waits for a new one
     try {
-      store.record_failure(restart, status, true,
-                           "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-      store.leave(options_.grace_period);
+      if (!store)
+        store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+      const detail::node_record me{
+          nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
+          ::getpid(), options_.rdzv_id,      buddy_at_,
+          comes_into};
+      if (elastic()) {
+        store->join_elastic(me);
+      } else {
+        store->join(me);
+      }
+      const int status =
+          elastic() ? run_elastic_rounds(*store, restart) : run_rounds(*store, restart);
+      store->leave(options_.grace_period);
+      return status;
+    } catch (const detail::agent_replaced& e) {
+      // The round (if one ran) stopped its workers while unwinding; the job is
+      // the other agent's now: nothing goes to the store.
+      say(e.what());
+      return 1;
+    } catch (const rendezvous_error& e) {
+      const std::string where = detail::endpoint_text(master_addr_, master_port_);
+      // Node 0 serves the store itself: a failed call there is no lost store.
+      if (!store || node_rank() == 0 || !store_lost(*store)) {
+        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what());
+        return 1;
+      }
+      if (elastic() || restart >= options_.max_restarts) {
+        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what() +
+            (elastic() ? "; an elastic job cannot go on without node 0, which serves the store"
+                       : "; no restart is left to wait for an agent to take node 0's place "
+                         "(restarts used: " +
+                             std::to_string(restart) + " of " +
+                             std::to_string(options_.max_restarts) + ")"));
+        return 1;
+      }
+      lost = e.what();
     } catch (...) {
-      // The store is gone too: the other agents notice that themselves.
+      // The round (if one ran) has stopped its workers while unwinding. A
+      // signal that interrupted a wait ends the job like one during the run.
+      const int sig = detail::pending_agent_signal();
+      auto [status, what] = sig != 0
+                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                : detail::current_failure();
+      // Tell the other nodes, so that they end too instead of waiting for this one.
+      try {
+        if (store) {
+          store->record_failure(restart, status, true,
+                                "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+          store->leave(options_.grace_period);
+        }
+      } catch (...) {
+        // The store is gone too: the other agents notice that themselves.
+      }
+      if (sig == 0) throw;
+      say(what + "; stopped this node's workers");
+      return status;
     }
-    if (sig == 0) throw;
-    say(what + "; stopped this node's workers");
-    return status;
+    // Node 0's agent is gone, and with it the store (a fixed-size job with a
+    // restart left): the round under way has stopped this node's workers.
+    // The agent that takes node 0's place serves a new store at the same
+    // address; this one joins it and the job goes on from the next round.
+    const std::uint64_t known = store->client().instance();
+    store.reset();
+    if (const int status = await_new_store(lost, restart, known); status != 0) return status;
+    comes_into = restart + 1;
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
+  store_options probe = store_options_;
+  probe.timeout = std::chrono::seconds(1);
+  probe.progress_interval = std::chrono::milliseconds(0);
+  try {
+    const store_client now(master_addr_, master_port_, probe);
+    return now.instance() != store.client().instance();
+  } catch (const token_error&) {
+    return false;  // a store answers there (with another token): not a lost one
+  } catch (const error&) {
+    return true;  // nothing answers there
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int restart,
+                                                     std::uint64_t known) {
+  const std::string where = detail::endpoint_text(master_addr_, master_port_);
+  say("node 0's agent is gone, and with it the store at " + where + " (" + why +
+      "): this node's workers are stopped; waiting for an agent to take the place of node 0 "
+      "(start one there or on another host with that address, with --node-rank 0), at most the "
+      "store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
+      std::to_string(restart + 1) + " (restart " + std::to_string(restart + 1) + " of " +
+      std::to_string(options_.max_restarts) + ")");
+  store_options probe = store_options_;
+  probe.timeout = std::chrono::seconds(1);
+  probe.progress_interval = std::chrono::milliseconds(0);
+  const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+  for (;;) {
+    if (const int sig = detail::pending_agent_signal(); sig != 0) {
+      say("received signal " + std::to_string(sig) +
+          " while waiting for an agent to take the place of node 0; stopped this node's workers");
+      return 128 + sig;
+    }
+    try {
+      const store_client now(master_addr_, master_port_, probe);
+      // A new store (or the old one, reachable again after all: this agent
+      // then takes its own place back, as a replacement would).
+      if (now.instance() != known) say("a new store answers at " + where + ": joining it", true);
+      return 0;
+    } catch (const token_error&) {
+      throw;  // a store with another secret: not this job's
+    } catch (const error&) {
+      // Not up yet.
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw timeout_error("the node agent waited " +
+                          std::to_string(store_options_.timeout.count() / 1000) +
+                          " s for an agent to take the place of node 0 and serve the store at " +
+                          where + " (DTRAIN_STORE_TIMEOUT)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 
@@ -228,7 +314,16 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
   const std::vector<int> everyone = store.all_nodes();
-  restart = 0;
+  // 0, unless this store is that of an agent that took node 0's place: the
+  // job goes on with the round after the one the other nodes ran.
+  restart = store.resume_round();
+  if (restart > 0 && node_rank() == 0) {
+    say("takes the place of node 0's agent, which is gone (with its store): the other nodes' "
+        "agents came back from round " +
+        std::to_string(restart - 1) + ", and the job goes on with round " +
+        std::to_string(restart) + " (restart " + std::to_string(restart) + " of " +
+        std::to_string(options_.max_restarts) + ")");
+  }
   if (store.replacing()) {
     // This agent takes the place of one that is gone: it comes into the
     // job when the round under way, which had that agent's workers, ends.

@@ -19,6 +19,7 @@
 #include <dtrain/launch/protocol.hpp>
 #include <dtrain/launch/round.hpp>
 #include <dtrain/launch/signals.hpp>
+#include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/server.hpp>
@@ -27,12 +28,14 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <optional>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -104,6 +107,15 @@ class node_agent {
   [[nodiscard]] bool elastic() const { return options_.min_nnodes.has_value(); }
 
   void say(const std::string& text, bool verbose = false) const;
+
+  /// After `store` failed: whether node 0's store is gone (nothing answers at
+  /// its address, or a new store does), not merely this call.
+  bool store_lost(detail::agent_store& store) const;
+  /// Node 0's agent is gone with the store (`why`), in round `restart`: waits,
+  /// at most the store timeout, for a store at the same address (an agent that
+  /// takes node 0's place serves it). Returns 0 once one answers, 128 + signal
+  /// when a signal asks the agent to stop; throws timeout_error.
+  int await_new_store(const std::string& why, int restart, std::uint64_t known);
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.

@@ -249,9 +249,12 @@ DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me,
   } else {
     meet(joined, what);
   }
+  resume_round_ = 0;
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
-    check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
+    const node_record other = node_record::decode(other_key, client_.get(other_key));
+    check_same_shape(n, other, me);
+    resume_round_ = std::max(resume_round_, static_cast<int>(other.round));
   }
 }
 

@@ -161,6 +161,10 @@ class agent_store {
             std::chrono::milliseconds window = std::chrono::milliseconds(2500));
   /// Whether join() took the place of a node whose agent was gone.
   [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// After join(): the round the job goes on with, the newest any node's
+  /// record comes into (node_record::round). 0 for a new job; after node 0's
+  /// agent was replaced, the round after the one the others ran.
+  [[nodiscard]] int resume_round() const noexcept { return resume_round_; }
   /// Throws agent_replaced when this node's place (agent_keys::node) holds
   /// another agent's record: that one took it while this agent did not beat
   /// (frozen, or cut off from the store) for the replacement's window, and the
@@ -279,6 +283,7 @@ class agent_store {
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
   bool replacing_ = false;        // join() took a gone agent's place
+  int resume_round_ = 0;          // join(): the newest round of the nodes' records
   std::string place_;             // this agent's record, as take_place() registered it
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};

@@ -96,23 +96,28 @@ DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
       .bytes32(host)
       .i64(pid)
       .bytes32(rdzv_id)
-      .bytes32(buddy);
+      .bytes32(buddy)
+      .i64(round);
   return out;
 }
 
 DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                                                      std::string_view value) {
-  return wire::decode_value("store key " + key, value, "a node agent's record",
-                            [](wire::reader& r) {
-                              node_record n;
-                              n.nproc = r.i64("nproc");
-                              n.max_restarts = r.i64("max_restarts");
-                              n.host = r.bytes32("the host name");
-                              n.pid = r.i64("the pid");
-                              n.rdzv_id = r.bytes32("the rdzv id");
-                              n.buddy = r.bytes32("the buddy store");
-                              return n;
-                            });
+  return wire::decode_value(
+      "store key " + key, value, "a node agent's record", [](wire::reader& r) {
+        node_record n;
+        n.nproc = r.i64("nproc");
+        n.max_restarts = r.i64("max_restarts");
+        n.host = r.bytes32("the host name");
+        n.pid = r.i64("the pid");
+        n.rdzv_id = r.bytes32("the rdzv id");
+        n.buddy = r.bytes32("the buddy store");
+        n.round = r.i64("the round");
+        if (n.round < 0 || n.round > INT32_MAX - 1) {
+          throw wire::violation("round " + std::to_string(n.round) + " is out of range");
+        }
+        return n;
+      });
 }
 
 DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value) {

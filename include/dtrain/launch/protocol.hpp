@@ -12,9 +12,9 @@
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32, buddy bytes32: the node's place; an
-///                                   agent that finds another's record here leaves the job
-///                                   (agent_store::check_place)
+///                                   rdzv_id bytes32, buddy bytes32, round i64: the node's
+///                                   place; an agent that finds another's record here leaves
+///                                   the job (agent_store::check_place)
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
@@ -194,6 +194,10 @@ struct node_record {
   /// HOST:PORT where this agent holds the memory copies that the workers of
   /// the node before it send (checkpoint_options::memory_buddy); empty: none.
   std::string buddy{};
+  /// The round this agent comes into: 0 when it starts, the one after its
+  /// last when it comes back to the store of an agent that took node 0's
+  /// place (the job's rounds go on from the newest any node ran).
+  std::int64_t round = 0;
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }

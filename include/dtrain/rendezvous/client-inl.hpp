@@ -143,7 +143,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::key_list(std::span<const std::str
   return out;
 }
 
-DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
+DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience, bool until_refused) {
   const auto deadline = steady::now() + patience;
   std::minstd_rand jitter(
       static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
@@ -157,11 +157,18 @@ DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
   auto next_report = start + options_.progress_interval;
   for (;;) {
     int resolver_rc = 0;
-    last_error = try_connect(deadline, resolver_rc);
+    bool refused = false;
+    last_error = try_connect(deadline, resolver_rc, refused);
     if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
       throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
                          endpoint() + ": " + ::gai_strerror(resolver_rc) +
                          "; check MASTER_ADDR (dtrun --master-addr)");
+    }
+    // Nobody listens there now: a server that closed an idle connection
+    // still would, so the one this client knew has ended.
+    if (refused && until_refused) {
+      throw rendezvous_error("nothing listens at " + endpoint() + " any more (" + last_error +
+                             "): the process that served the store has ended");
     }
     // A server at its connection cap closes newcomers unanswered: knock again.
     if (last_error.empty()) last_error = try_handshake(deadline);
@@ -205,7 +212,8 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_handshake(steady::time_point 
 }
 
 DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point deadline,
-                                                           int& resolver_rc) {
+                                                           int& resolver_rc, bool& refused) {
+  refused = false;
   detail::address_list addrs;
   if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
     resolver_rc = rc;
@@ -220,6 +228,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point de
     }
     if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
+        refused = errno == ECONNREFUSED;
         why = std::strerror(errno);
         continue;
       }
@@ -233,6 +242,7 @@ DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point de
       socklen_t len = sizeof err;
       ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
       if (err != 0) {
+        refused = err == ECONNREFUSED;
         why = std::strerror(err);
         continue;
       }
@@ -280,6 +290,19 @@ DTRAIN_DETAIL_INLINE void store_client::handshake(steady::time_point connect_dea
     throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
                            std::to_string(static_cast<int>(s)));
   }
+  const std::uint64_t instance =
+      detail::wire::reader(recv_exact(8, deadline, "the handshake reply")).u64("instance");
+  if (instance_ != 0 && instance != instance_) {
+    // Reconnected to another server at the same address: it holds none of
+    // this client's keys (a replaced node 0 agent, a restarted rank 0).
+    // Knocking again cannot help.
+    refused_ = true;
+    broken_ = true;
+    throw rendezvous_error("the store at " + endpoint() +
+                           " is no longer the one this client joined: its server was restarted, "
+                           "and the new one holds none of the keys of the old");
+  }
+  instance_ = instance;
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::call(const std::string& body,
@@ -318,7 +341,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   fd_.reset();
   broken_ = false;
   try {
-    connect(options_.io_timeout);
+    connect(options_.io_timeout, true);
     // The close released them. Each is leased again unless another client
     // set its key since (a node agent that took this one's place while it
     // was frozen): the key is theirs then, and no longer this client's lease.
@@ -336,7 +359,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   } catch (const error& e) {
     broken_ = true;
     throw rendezvous_error(what + ": the store at " + endpoint() +
-                           " closed this idle connection and cannot be reached again: " + e.what());
+                           " closed this connection, and it cannot be reopened: " + e.what());
   }
 }
 

@@ -48,6 +48,9 @@ namespace dtrain {
 /// trusted): make a new one. The one exception: a connection the server closed
 /// because it was idle (store_options::idle_timeout) is reopened, once, by the
 /// next request; the server closes only connections with no request in flight.
+/// A closed connection is a lost store, not an idle one, when nothing listens
+/// at the address any more (its process ended) or another server does (a new
+/// instance, which holds none of the old one's keys): the request fails at once.
 class store_client {
  public:
   using milliseconds = std::chrono::milliseconds;
@@ -114,6 +117,12 @@ class store_client {
     return requests_.load(std::memory_order_relaxed);
   }
 
+  /// The instance of the server this client joined, as its handshake said:
+  /// drawn at random when the server starts, so two clients with the same
+  /// instance meet at the same store. A reconnection to a server with another
+  /// (restarted at the same address) fails: it holds none of this client's keys.
+  [[nodiscard]] std::uint64_t instance() const noexcept { return instance_; }
+
   /// Round trip without effect; a liveness check.
   void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
 
@@ -140,15 +149,19 @@ class store_client {
 
   void connect() { connect(options_.timeout); }
 
-  void connect(milliseconds patience);
+  // Connects within `patience`, knocking again while the server is not up;
+  // with `until_refused`, gives up (rendezvous_error) the first time a
+  // connection is refused: nothing listens there any more.
+  void connect(milliseconds patience, bool until_refused = false);
 
   // The handshake; returns why the connection was lost during it (empty on
   // success). A refusal (token, version) throws: knocking again cannot help.
   std::string try_handshake(steady::time_point deadline);
 
-  // One attempt; returns the reason it failed, empty on success, and the
-  // resolver's error code in `resolver_rc` when the name did not resolve.
-  std::string try_connect(steady::time_point deadline, int& resolver_rc);
+  // One attempt; returns the reason it failed, empty on success, the
+  // resolver's error code in `resolver_rc` when the name did not resolve, and
+  // in `refused` whether the host refused the connection (nothing listens).
+  std::string try_connect(steady::time_point deadline, int& resolver_rc, bool& refused);
 
   static int remaining_ms(steady::time_point deadline);
 
@@ -184,6 +197,7 @@ class store_client {
   detail::unique_fd fd_;
   bool broken_ = false;
   bool refused_ = false;        // the server answered the handshake with a refusal
+  std::uint64_t instance_ = 0;  // the server's, from the first handshake (0: none yet)
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
   std::atomic<std::uint64_t> requests_{0};

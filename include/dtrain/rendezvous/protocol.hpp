@@ -3,7 +3,11 @@
 /// The store's wire protocol. All integers are little-endian.
 ///
 ///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
-///               server → client: status u8, version u16
+///               server → client: status u8, version u16, and when the status is
+///                                 ok, the server's instance u64 (drawn at random
+///                                 when it starts: a client that reconnects tells
+///                                 a restarted server, which holds none of its
+///                                 keys, from the one it joined)
 ///   request     length u32 (of the body), body: op u8, then the op's fields
 ///   response    length u32, body: status u8, then the payload
 ///
@@ -24,7 +28,7 @@
 namespace dtrain::detail::wire {
 
 inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 
 enum class op : std::uint8_t {
   set = 1,          ///< key, value → ok

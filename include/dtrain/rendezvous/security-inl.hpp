@@ -17,21 +17,35 @@ DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-DTRAIN_DETAIL_INLINE std::string new_store_token() {
-  unsigned char bytes[16];
+DTRAIN_DETAIL_INLINE void random_fill(unsigned char* out, std::size_t size, const char* what) {
   std::size_t got = 0;
-  while (got < sizeof bytes) {
-    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+  while (got < size) {
+    ssize_t n = ::getrandom(out + got, size - got, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0)
-      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+      throw error(std::string("cannot draw ") + what + ": getrandom: " + std::strerror(errno));
     got += static_cast<std::size_t>(n);
   }
+}
+
+DTRAIN_DETAIL_INLINE std::string new_store_token() {
+  unsigned char bytes[16];
+  random_fill(bytes, sizeof bytes, "a store token");
   std::string out;
   for (unsigned char b : bytes) {
     char hex[3];
     std::snprintf(hex, sizeof hex, "%02x", b);
     out += hex;
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t new_store_instance() {
+  unsigned char bytes[8];
+  std::uint64_t out = 0;
+  while (out == 0) {
+    random_fill(bytes, sizeof bytes, "a store instance");
+    for (unsigned char b : bytes) out = (out << 8) | b;
   }
   return out;
 }

@@ -14,6 +14,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -29,8 +31,16 @@ namespace dtrain {
 
 namespace detail {
 
+/// Fills `out` with `size` bytes from the kernel's random source; `what`
+/// names the draw in the error thrown when there is none.
+DTRAIN_DETAIL_INLINE void random_fill(unsigned char* out, std::size_t size, const char* what);
+
 /// 128 random bits from the kernel, as 32 hex digits.
 DTRAIN_DETAIL_INLINE std::string new_store_token();
+
+/// 64 random bits from the kernel, never 0: a store server's instance (its
+/// handshake tells a restarted server from the one a client joined).
+DTRAIN_DETAIL_INLINE std::uint64_t new_store_instance();
 
 /// Whether two secrets are equal, compared without an early exit, so that
 /// the time taken does not reveal how much of a guess was right.

@@ -127,12 +127,15 @@ class store_server {
 
   detail::task<bool> handshake(connection& c);
 
-  // The handshake's answer: a status and the server's protocol version. (A
-  // function, not a lambda: a coroutine frame that holds a lambda's type
-  // trips -Wsubobject-linkage where the body is compiled out of line.)
-  static std::string reply(status s) {
+  // The handshake's answer: a status and the server's protocol version, and
+  // when it is ok this server's instance. (A function, not a lambda: a
+  // coroutine frame that holds a lambda's type trips -Wsubobject-linkage
+  // where the body is compiled out of line.)
+  [[nodiscard]] std::string reply(status s) const {
     std::string body;
-    detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+    detail::wire::writer w(body);
+    w.u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+    if (s == status::ok) w.u64(instance_);
     return body;
   }
 
@@ -143,6 +146,8 @@ class store_server {
   std::string address_;
   store_options options_;
   int port_ = 0;
+  // Drawn when it starts; its handshake tells its clients (wire::version).
+  std::uint64_t instance_ = detail::new_store_instance();
   detail::reactor reactor_;
   detail::unique_fd listen_;
   detail::wait_slot accept_slot_;
