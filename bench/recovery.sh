@@ -19,7 +19,8 @@
 #                    copies back from their buddy, node 1's agent. And the
 #                    same with node 1's agent (node 0: it serves the store)
 #                    SIGKILLed and replaced: node 2's agent joins the new
-#                    node 0's store, its ranks' copies held by node 2's agent
+#                    node 0's store, its ranks' copies held by node 2's agent;
+#                    and that as an elastic job (--nnodes 1:2)
 #
 # each from the disk alone and with the memory tier every step (--memory-every 1),
 # and times, from the agents' and workers' output lines (stamped as they
@@ -152,37 +153,40 @@ two_nodes() {  # <run> <tier> [ZeRO stage]
   kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" "$setup, $tier"
 }
 
-# fixed_agent <dir> <n> <log suffix> <tier>: node n's agent (the demo) of a
-# fixed job of 2 nodes with ZeRO stage 1 on the simulated cluster.
+# fixed_agent <dir> <n> <log suffix> <tier> [<nnodes>]: node n's agent (the demo)
+# of a job of 2 nodes (fixed unless <nnodes> says 1:2) with ZeRO stage 1 on the
+# simulated cluster.
 fixed_agent() {
-  local dir=$1 n=$2 suffix=$3 tier=$4
+  local dir=$1 n=$2 suffix=$3 tier=$4 nnodes=${5:-2}
   # shellcheck disable=SC2046
-  cluster_run node$n env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+  cluster_run node$n env DTRAIN_NNODES="$nnodes" DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
     MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 2 --sharding 1 "${model[@]}" \
     $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
     > >(stamp >"$dir/node$n$suffix.log") 2>&1 &
 }
 
-replaced() {  # <run> <tier> <the node whose agent is killed: 2, or 1 (node 0, the store's)>
-  local run=$1 tier=$2 lost=$3 kept=1 rank0=
+# replaced <run> <tier> <the node whose agent is killed: 2, or 1 (node 0, the store's)> [<nnodes>]
+replaced() {
+  local run=$1 tier=$2 lost=$3 nnodes=${4:-2} kept=1 rank0= kind=fixed
   ((lost == 1)) && kept=2
-  local dir=$work/replaced-$tier-$lost-$run
+  [[ $nnodes == 2 ]] || kind="elastic $nnodes"
+  local dir=$work/replaced-$tier-$lost-$nnodes-$run
   mkdir -p "$dir/samples"
-  fixed_agent "$dir" $kept "" "$tier"
+  fixed_agent "$dir" $kept "" "$tier" "$nnodes"
   local survivor=$!
-  fixed_agent "$dir" $lost "" "$tier"
+  fixed_agent "$dir" $lost "" "$tier" "$nnodes"
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
   local victim
   victim=$(cluster_agent node$lost "$demo")
   [[ -n $victim ]] || { echo "no agent on node$lost" >&2; return 1; }
   # shellcheck disable=SC2317  # run by kill_and_measure, right after the kill
   replacement() {
-    fixed_agent "$dir" $lost .replacement "$tier"
+    fixed_agent "$dir" $lost .replacement "$tier" "$nnodes"
     replacement_pid=$!
   }
   ((lost == 1)) && rank0=$dir/node1.replacement.log
   kill_and_measure "$victim" "$dir/node$kept.log" "$dir/samples" "$survivor" \
-    "2 nodes x 2 (fixed, ZeRO-1), node $lost's agent SIGKILLed and replaced, $tier" replacement \
+    "2 nodes x 2 ($kind, ZeRO-1), node $lost's agent SIGKILLed and replaced, $tier" replacement \
     "$rank0" || return 1
   wait "$replacement_pid" ||
     { echo "the replacement failed (see $dir/node$lost.replacement.log)" >&2; return 1; }
@@ -206,6 +210,7 @@ else
     for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" 1 || exit 1; done
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 2 || exit 1; done
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 1 || exit 1; done
+    for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 1 1:2 || exit 1; done
   done
 fi
 
@@ -215,7 +220,8 @@ echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" \
   "2 nodes x 2 (elastic 1:2, ZeRO-1), node 2's agent SIGKILLed" \
   "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced" \
-  "2 nodes x 2 (fixed, ZeRO-1), node 1's agent SIGKILLed and replaced"; do
+  "2 nodes x 2 (fixed, ZeRO-1), node 1's agent SIGKILLed and replaced" \
+  "2 nodes x 2 (elastic 1:2, ZeRO-1), node 1's agent SIGKILLed and replaced"; do
   for tier in "${tiers[@]}"; do
     [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }
     IFS=';' read -r -a rows <<<"${results[$setup, $tier]}"

@@ -20173,7 +20173,8 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 ///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
-///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
+///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes (none:
+///                                   node 0 passed round r over for a later one)
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well
@@ -20347,7 +20348,8 @@ struct node_record {
 inline std::string encode_port(int port) { return wire::encode_int(port); }
 DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
 
-/// An elastic round's members: node ranks, ascending, each below `nnodes`.
+/// An elastic round's members: node ranks, ascending, each below `nnodes`;
+/// none for a round that node 0 passed over (agent_store::form_round()).
 DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
 DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
                                                      int nnodes);
@@ -20515,8 +20517,8 @@ DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std
                                                      int nnodes) {
   return wire::decode_value("store key " + key, value, "a round's nodes", [&](wire::reader& r) {
     const std::uint32_t count = r.u32("the number of nodes");
-    if (count == 0 || count > static_cast<std::uint32_t>(nnodes)) {
-      throw wire::violation(std::to_string(count) + " nodes, not 1.." + std::to_string(nnodes));
+    if (count > static_cast<std::uint32_t>(nnodes)) {
+      throw wire::violation(std::to_string(count) + " nodes, not 0.." + std::to_string(nnodes));
     }
     std::vector<int> nodes;
     for (std::uint32_t i = 0; i < count; ++i) {
@@ -24235,8 +24237,13 @@ class agent_store {
                     std::chrono::milliseconds window = std::chrono::milliseconds(2500));
 
   /// The round a node that starts now joins: the one after the newest round
-  /// formed, or round 0.
+  /// formed (or asked for, raise_round()), or round 0.
   int first_round();
+  /// Makes `round` the newest (agent_keys::current_round) unless a later one
+  /// is: never lowers it. An agent that comes back to the store of an agent
+  /// that took node 0's place raises it to the round it ran, so that the
+  /// rounds go on from there (join_elastic()).
+  void raise_round(int round);
 
   /// Says that this node is ready for round `restart` and returns the
   /// round's nodes (ascending), which node 0 chooses: once at least
@@ -24246,15 +24253,20 @@ class agent_store {
   /// node whose agent is connected (its lease) is ready: survivors of a lost
   /// node do not wait for it. Every agent counts the round's nodes from then
   /// on (success, leaving). A node not among them joins a later round.
-  std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+  /// Node 0 forms a later round than `restart` when another agent asks for
+  /// one (raise_round(): it came back to this store, which serves the job
+  /// since node 0's agent was replaced): `restart` becomes that round. A
+  /// round node 0 passed over that way has no nodes: empty.
+  std::vector<int> form_round(int& restart, int min_nodes, std::chrono::milliseconds last_call);
 
   /// Node 0, after form_round(): the nodes it did not wait for because their
   /// agents were gone.
   [[nodiscard]] const std::vector<int>& passed_over() const noexcept { return passed_over_; }
 
-  /// Whether a node is ready for the round after `restart`: one waits to join.
+  /// Whether a node is ready for the round after `restart`, or asks for a
+  /// later one (raise_round()): one waits to join.
   [[nodiscard]] bool node_waiting(int restart) {
-    return client_.add(agent_keys::ready(restart + 1), 0) > 0;
+    return client_.add(agent_keys::ready(restart + 1), 0) > 0 || first_round() > restart + 1;
   }
 
   /// Says this agent is done. Node 0 keeps the store up until every agent
@@ -24391,6 +24403,9 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
     check_same_shape(0, node_record::decode(key, client_.get(key)), me);
   }
   static_cast<void>(take_place(me, window));
+  // Back from a store that is gone (node 0's agent was replaced): the rounds
+  // go on from the one this agent ran.
+  if (me.round > 0) raise_round(static_cast<int>(me.round) - 1);
 }
 
 DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
@@ -24481,17 +24496,37 @@ DTRAIN_DETAIL_INLINE int agent_store::first_round() {
   return static_cast<int>(newest) + 1;
 }
 
-DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int min_nodes,
+DTRAIN_DETAIL_INLINE void agent_store::raise_round(int round) {
+  const std::string key(agent_keys::current_round);
+  const std::string want = wire::encode_int(round);
+  std::string now = client_.check(std::span<const std::string>(&key, 1)) ? client_.get(key) : "";
+  while (now.empty() || first_round() <= round) {
+    const std::string after = client_.compare_set(key, now, want);
+    if (after == want) return;
+    now = after;  // another agent's, meanwhile: look again
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int& restart, int min_nodes,
                                                               std::chrono::milliseconds last_call) {
+  if (node_rank_ == 0 && first_round() > restart) {
+    // Another agent asks for a later round (raise_round()): a node that
+    // waits for this one learns that it was passed over.
+    client_.set(agent_keys::members(restart), encode_members({}));
+    restart = first_round();
+  }
   client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
   client_.add(agent_keys::ready(restart), 1);
   const std::string members_key = agent_keys::members(restart);
   const std::string round = "round " + std::to_string(restart);
   if (node_rank_ == 0) {
     auto ready = [&] { return client_.add(agent_keys::ready(restart), 0); };
-    wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
-                                                       " of " + std::to_string(nnodes_) +
-                                                       " nodes to be ready for " + round);
+    // An agent that asks for a later round: form that one instead.
+    auto later = [&] { return first_round() > restart; };
+    wait_for([&] { return ready() >= min_nodes || later(); },
+             "at least " + std::to_string(min_nodes) + " of " + std::to_string(nnodes_) +
+                 " nodes to be ready for " + round);
+    if (later()) return form_round(restart, min_nodes, last_call);
     // The last call, for nodes still starting: a time-out here is no
     // failure, the round is who came. After node 0's first round, the nodes
     // whose agents are gone are not waited for: every one connected is.
@@ -24508,8 +24543,9 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     };
     static_cast<void>(poll_until(
         std::chrono::steady_clock::now() + last_call,
-        [&] { return ready() >= nnodes_ || connected_ready(); },
+        [&] { return ready() >= nnodes_ || connected_ready() || later(); },
         "the other nodes to be ready for " + round));
+    if (later()) return form_round(restart, min_nodes, last_call);
     const bool first = !std::exchange(formed_, true);
     std::vector<int> nodes;
     for (int n = 0; n < nnodes_; ++n) {
@@ -24524,7 +24560,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
       }
     }
     client_.set(members_key, encode_members(nodes));
-    client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
+    raise_round(restart);
   } else {
     wait_for([&] { return client_.check(std::span<const std::string>(&members_key, 1)); },
              "node 0 to form " + round);
@@ -26344,6 +26380,7 @@ class node_agent {
   std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
   std::string buddy_at_;  // where this agent holds the copies of the node before it (serve_buddies)
   std::string metrics_dir_;  // the workers' DTRAIN_METRICS_DIR, which the endpoint serves
+  int failures_ = 0;         // elastic: the rounds that failed (restarts used), across stores
 };
 
 }  // namespace dtrain
@@ -26493,13 +26530,13 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
         say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what());
         return 1;
       }
-      if (elastic() || restart >= options_.max_restarts) {
+      // A restart, as any lost node is: in a fixed-size job the rounds
+      // count them, in an elastic one the failures.
+      const int used = elastic() ? failures_ : restart;
+      if (used >= options_.max_restarts) {
         say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what() +
-            (elastic() ? "; an elastic job cannot go on without node 0, which serves the store"
-                       : "; no restart is left to wait for an agent to take node 0's place "
-                         "(restarts used: " +
-                             std::to_string(restart) + " of " +
-                             std::to_string(options_.max_restarts) + ")"));
+            "; no restart is left to wait for an agent to take node 0's place (restarts used: " +
+            std::to_string(used) + " of " + std::to_string(options_.max_restarts) + ")");
         return 1;
       }
       lost = e.what();
@@ -26524,12 +26561,15 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       say(what + "; stopped this node's workers");
       return status;
     }
-    // Node 0's agent is gone, and with it the store (a fixed-size job with a
-    // restart left): the round under way has stopped this node's workers.
-    // The agent that takes node 0's place serves a new store at the same
-    // address; this one joins it and the job goes on from the next round.
+    // Node 0's agent is gone, and with it the store (a restart left): the
+    // round under way has stopped this node's workers. The agent that takes
+    // node 0's place serves a new store at the same address; this one joins
+    // it, and the rounds go on from the one after its last (a fixed-size
+    // job: join() takes the newest of the nodes' records; an elastic one:
+    // join_elastic() raises the newest round, and node 0 forms the next).
     const std::uint64_t known = store->client().instance();
     store.reset();
+    if (elastic()) ++failures_;
     if (const int status = await_new_store(lost, restart, known); status != 0) return status;
     comes_into = restart + 1;
   }
@@ -26556,7 +26596,8 @@ DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int
       "): this node's workers are stopped; waiting for an agent to take the place of node 0 "
       "(start one there or on another host with that address, with --node-rank 0), at most the "
       "store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
-      std::to_string(restart + 1) + " (restart " + std::to_string(restart + 1) + " of " +
+      std::to_string(restart + 1) + " (restart " +
+      std::to_string(elastic() ? failures_ : restart + 1) + " of " +
       std::to_string(options_.max_restarts) + ")");
   store_options probe = store_options_;
   probe.timeout = std::chrono::seconds(1);
@@ -26720,9 +26761,18 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
 DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& store, int& restart) {
   // How long node 0 waits, once enough nodes are ready, for the others.
   constexpr std::chrono::milliseconds last_call{2000};
-  int failures = 0;
   for (restart = store.first_round();; ++restart) {
+    const int asked = restart;
     const std::vector<int> members = store.form_round(restart, *options_.min_nnodes, last_call);
+    if (members.empty()) {
+      // Node 0 went on with a later round, which another agent asked for.
+      restart = store.first_round() - 1;
+      continue;
+    }
+    if (restart > asked && node_rank() == 0) {
+      say("the other nodes' agents came back from round " + std::to_string(restart - 1) +
+          " (node 0's agent, and its store, were replaced): the rounds go on from there");
+    }
     std::string names;
     for (const int n : members) names += (names.empty() ? "" : ", ") + std::to_string(n);
     if (std::find(members.begin(), members.end(), node_rank()) == members.end()) {
@@ -26746,10 +26796,10 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
       say(end.message);
       continue;
     }
-    if (ends_job(end, failures)) return end.status;
-    ++failures;
+    if (ends_job(end, failures_)) return end.status;
+    ++failures_;
     say(end.message + "; forming the next round of the nodes present (restart " +
-        std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
+        std::to_string(failures_) + " of " + std::to_string(options_.max_restarts) + ")");
   }
 }
 

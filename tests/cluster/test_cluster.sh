@@ -42,6 +42,10 @@
 #                      store at the same address, node2's agent joins it, the job goes on
 #                      with the next round (node1's new ranks take their copies from node2's
 #                      agent) and ends with the uninterrupted run's checksum
+#   replace_node0_elastic
+#                      the same as an elastic job (--nnodes 1:2): node2's agent joins the new
+#                      store and raises the newest round to the one it ran, and the new node 0
+#                      forms the next of both nodes (the same size: the same checksum)
 #   freeze_node        the same fixed job, node2 frozen whole at a random step (its agent,
 #                      workers and all: SIGSTOP, its connections open): node1 finds it silent
 #                      (DTRAIN_HEARTBEAT_TIMEOUT 2 s) and waits for an agent to take its place,
@@ -318,17 +322,19 @@ case $case_name in
     python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
       fail "the accuracy $got % is not within a point of $want %"
     ;;
-  replace_node | replace_node0 | freeze_node)
+  replace_node | replace_node0 | replace_node0_elastic | freeze_node)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     # ZeRO stage 1: a lost node's shards of the optimizer state are on no other node's disk
     # or memory but its buddy's.
     demo=("$bin/dtrain_train_mlp" --epochs 3 --samples 8192 --features 64 --hidden 256
           --batch-size 32 --nproc-per-node 2 --sharding 1)
-    # node N's agent (the demo launches itself) of a fixed job of 2 nodes: start_node N SUFFIX ARGS...
+    nnodes=2  # a fixed job of 2 nodes; an elastic one (1:2) in replace_node0_elastic
+    [[ $case_name == replace_node0_elastic ]] && nnodes=1:2
+    # node N's agent (the demo launches itself) of that job: start_node N SUFFIX ARGS...
     start_node() {  # <n> <output suffix> <the demo's flags...>
       local n=$1 suffix=$2
       shift 2
-      demo_node "$n" 2 1 "$suffix" "${demo[@]}" "$@"
+      demo_node "$n" "$nnodes" 1 "$suffix" "${demo[@]}" "$@"
     }
     cluster_up 2 1gbit
     start_node 1 .reference
@@ -344,9 +350,9 @@ case $case_name in
     # is SIGKILLed at a random step past the first checkpoint, and an agent
     # started again there takes its place.
     lost=2 kept=1
-    [[ $case_name == replace_node0 ]] && lost=1 kept=2
+    [[ $case_name == replace_node0* ]] && lost=1 kept=2
     rank0=node1  # where rank 0 prints, once the job is over
-    [[ $case_name == replace_node0 ]] && rank0=node1.replacement
+    [[ $case_name == replace_node0* ]] && rank0=node1.replacement
     port=$((port + 1))
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
@@ -394,7 +400,12 @@ case $case_name in
       grep -v "^dtrain checkpoint: saved" | head -20
     ((status1 == 0 && status2 == 0)) ||
       fail "node$kept exited with $status1, the replacement with $status2"
-    if [[ $case_name == replace_node0 ]]; then
+    if [[ $case_name == replace_node0_elastic ]]; then
+      grep -q "the other nodes' agents came back from round 0 (node 0's agent, and its store, were replaced)" \
+        "$work/node1.replacement.err" || fail "the replacement did not say that the rounds go on"
+      grep -q "round 1: nodes 0, 1 (2 of at most 2), 4 workers" "$work/node1.replacement.err" ||
+        fail "the replacement did not form round 1 of both nodes"
+    elif [[ $case_name == replace_node0 ]]; then
       grep -q "takes the place of node 0's agent, which is gone (with its store)" \
         "$work/node1.replacement.err" || fail "the replacement did not say whose place it took"
       grep -q "node 0's agent is gone, and with it the store at node1:$port" "$work/node2.err" ||
@@ -406,7 +417,7 @@ case $case_name in
     # The new node's ranks had no copies: each took its own from its buddy (the
     # next node's agent), and every rank resumed from memory (nothing read from the disk).
     new_ranks="2, 3"
-    [[ $case_name == replace_node0 ]] && new_ranks="0, 1"
+    [[ $case_name == replace_node0* ]] && new_ranks="0, 1"
     grep -q "memory tier: rank(s) $new_ranks had no copy of their newest step on their node.*from its buddy" \
       "$work/$rank0.err" || fail "the replacement's ranks did not take their copies from their buddy"
     grep -q "resumed from the memory copy of step" "$work/$rank0.err" ||

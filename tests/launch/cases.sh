@@ -71,23 +71,70 @@ check_world() {
   done
 }
 
-# A fixed job of 3 agents on this host with a restart left, each running one shell worker that
-# writes its pid to $work/pids/r<round>.<rank>.pid, hangs in round 0, and in a later round waits
-# $1 seconds and says "rank R done in round K of world W". Sets port; then
-# `three_agents_agent <node rank> [VAR=value...]`, started with & (it execs: $! is dtrun's pid),
-# starts one agent, with those variables in its environment.
-three_agents() {
+# A job of agents on this host with a restart left, each running one shell worker that writes
+# its pid to $work/pids/r<round>.<rank>.pid, hangs in round 0, and in a later round waits $1
+# seconds and says "rank R done in round K of world W". Sets port; then
+# `restart_job_agent <nnodes> <node rank> [VAR=value...]`, started with & (it execs: $! is
+# dtrun's pid), starts one agent (--nnodes as given: N, or MIN:MAX), with those variables in
+# its environment.
+restart_job() {
   mkdir "$work/pids"
   port=$(free_port)
   export PIDS="$work/pids" ROUND_SLEEP=$1
 }
-three_agents_agent() {
-  local rank=$1
-  shift
-  exec env "$@" "$DTRUN" --nnodes 3 --node-rank "$rank" --max-restarts 1 --grace-period 1 \
+restart_job_agent() {
+  local nnodes=$1 rank=$2
+  shift 2
+  exec env "$@" "$DTRUN" --nnodes "$nnodes" --node-rank "$rank" --max-restarts 1 --grace-period 1 \
     --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/r$TORCHELASTIC_RESTART_COUNT.$RANK.pid"
 if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 60; fi
 sleep "$ROUND_SLEEP"; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT of world $WORLD_SIZE"'
+}
+
+# replace_node0 <nnodes> <agents> [VAR=value...]: a restart_job of <agents> agents (--nnodes as
+# given); node 0's agent is SIGKILLed while every worker hangs in round 0, every other agent says
+# that it waits for an agent in node 0's place (the job then going on with round 1), every round-0
+# worker is gone, a new agent with --node-rank 0 comes (n0b), and every agent ends 0, each node's
+# worker having said that it is done in round 1 of the whole world.
+replace_node0() {
+  local nnodes=$1 agents=$2 n
+  shift 2
+  restart_job 0
+  local pids=()
+  for ((n = 0; n < agents; ++n)); do
+    restart_job_agent "$nnodes" $n "$@" >"$work/n$n.out" 2>"$work/n$n.err" &
+    pids+=($!)
+  done
+  wait_for_pids "$work/pids" "$agents"
+  kill -KILL "${pids[0]}"
+  wait "${pids[0]}" 2>/dev/null
+  for ((n = 1; n < agents; ++n)); do
+    for _ in $(seq 300); do
+      grep -q "waiting for an agent to take the place of node 0" "$work/n$n.err" && break
+      sleep 0.1
+    done
+    expect_line "$work/n$n.err" "node 0's agent is gone, and with it the store at 127\.0\.0\.1:$port \(.*\): this node's workers are stopped; waiting for an agent to take the place of node 0 \(start one there or on another host with that address, with --node-rank 0\), at most the store timeout \(DTRAIN_STORE_TIMEOUT\); the job then goes on with round 1 \(restart 1 of 1\)" "node $n's call for a replacement of node 0"
+  done
+  # Round 0's workers are gone on every node (node 0's with its agent: its warden).
+  expect_all_gone "$work/pids"
+  restart_job_agent "$nnodes" 0 "$@" >"$work/n0b.out" 2>"$work/n0b.err" &
+  wait $!
+  expect_status 0 $? "the agent that took node 0's place"
+  for ((n = 1; n < agents; ++n)); do
+    wait "${pids[n]}"
+    expect_status 0 $? "node $n's agent"
+  done
+  local want="" out
+  for ((n = 0; n < agents; ++n)); do
+    out=$work/n$n.out
+    ((n == 0)) && out=$work/n0b.out
+    expect_line "$out" "^rank $n done in round 1 of world $agents$" "node $n's worker in round 1"
+    want+="r0.$n.pid "
+  done
+  for ((n = 0; n < agents; ++n)); do want+="r1.$n.pid "; done
+  [[ "$(ls "$work/pids" | xargs) " == "$want" ]] ||
+    fail "workers started: $(ls "$work/pids" | xargs), expected $want"
+  expect_all_gone "$work/pids"
 }
 
 case $case_name in
@@ -352,8 +399,8 @@ replaced_agent_wakes)
   # --node-rank 1 takes its place, and the next round runs with it. Then the frozen agent wakes
   # (SIGCONT): it must find its place taken, stop its worker and leave with status 1, touching
   # nothing of the job, which ends 0.
-  three_agents 4
-  agent() { three_agents_agent "$1" DTRAIN_HEARTBEAT_TIMEOUT="$2"; }  # agent <node rank> <heartbeat timeout>
+  restart_job 4
+  agent() { restart_job_agent 3 "$1" DTRAIN_HEARTBEAT_TIMEOUT="$2"; }  # agent <node rank> <heartbeat timeout>
   agent 0 60 >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   agent 1 2 >"$work/n1.out" 2>"$work/n1.err" &
@@ -401,41 +448,17 @@ node0_replaced)
   # after DTRAIN_STORE_IO_TIMEOUT, 100 s here), stop their workers and wait for an agent to take
   # node 0's place. One started with --node-rank 0 at the same address serves a new store; the
   # others join it, and the job goes on with round 1 (its restart), which ends 0.
-  three_agents 0
-  agent() { three_agents_agent "$1" DTRAIN_STORE_IO_TIMEOUT=100; }  # agent <node rank>
-  agent 0 >"$work/n0.out" 2>"$work/n0.err" &
-  n0=$!
-  agent 1 >"$work/n1.out" 2>"$work/n1.err" &
-  n1=$!
-  agent 2 >"$work/n2.out" 2>"$work/n2.err" &
-  n2=$!
-  wait_for_pids "$work/pids" 3
-  kill -KILL $n0
-  wait $n0 2>/dev/null
-  for n in 1 2; do
-    for _ in $(seq 300); do
-      grep -q "waiting for an agent to take the place of node 0" "$work/n$n.err" && break
-      sleep 0.1
-    done
-    expect_line "$work/n$n.err" "node 0's agent is gone, and with it the store at 127\.0\.0\.1:$port \(.*\): this node's workers are stopped; waiting for an agent to take the place of node 0 \(start one there or on another host with that address, with --node-rank 0\), at most the store timeout \(DTRAIN_STORE_TIMEOUT\); the job then goes on with round 1 \(restart 1 of 1\)" "node $n's call for a replacement of node 0"
-  done
-  # Round 0's workers are gone on every node (node 0's with its agent: its warden).
-  expect_all_gone "$work/pids"
-  agent 0 >"$work/n0b.out" 2>"$work/n0b.err" &
-  n0b=$!
-  wait $n0b
-  expect_status 0 $? "the agent that took node 0's place"
-  wait $n1
-  expect_status 0 $? "node 1's agent"
-  wait $n2
-  expect_status 0 $? "node 2's agent"
+  replace_node0 3 3 DTRAIN_STORE_IO_TIMEOUT=100
   expect_line "$work/n0b.err" "takes the place of node 0's agent, which is gone \(with its store\): the other nodes' agents came back from round 0, and the job goes on with round 1 \(restart 1 of 1\)" "the new node 0's message"
-  expect_line "$work/n0b.out" "^rank 0 done in round 1 of world 3$" "node 0's new worker"
-  expect_line "$work/n1.out" "^rank 1 done in round 1 of world 3$" "node 1's worker"
-  expect_line "$work/n2.out" "^rank 2 done in round 1 of world 3$" "node 2's worker"
-  [[ $(ls "$work/pids" | xargs) == "r0.0.pid r0.1.pid r0.2.pid r1.0.pid r1.1.pid r1.2.pid" ]] ||
-    fail "workers started: $(ls "$work/pids" | xargs), expected r0.0-2 and r1.0-2"
-  expect_all_gone "$work/pids"
+  ;;
+
+elastic_node0_replaced)
+  # The same in an elastic job (--nnodes 1:2): node 1 joins the new store, raising the newest
+  # round to the one it ran; the new node 0, which knew no round, passes round 0 over and forms
+  # round 1 of both nodes.
+  replace_node0 1:2 2
+  expect_line "$work/n0b.err" "the other nodes' agents came back from round 0 \(node 0's agent, and its store, were replaced\): the rounds go on from there" "the new node 0's message"
+  expect_line "$work/n0b.err" "round 1: nodes 0, 1 \(2 of at most 2\), 2 workers" "the new node 0's round"
   ;;
 
 remote_agent_fails)

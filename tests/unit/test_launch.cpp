@@ -652,9 +652,10 @@ TEST_CASE("elastic rounds: the members and a regroup travel through the store in
   using dtrain::detail::encode_members;
   using dtrain::detail::failure_record;
   CHECK(decode_members("k", encode_members({0, 2, 3}), 4) == std::vector<int>{0, 2, 3});
-  // Out of range, not ascending, or none: refused, naming the key.
+  CHECK(decode_members("k", encode_members({}), 4).empty());  // a round passed over
+  // Out of range, not ascending, or more than nnodes: refused, naming the key.
   for (const std::vector<int>& bad : {std::vector<int>{0, 4}, std::vector<int>{1, 0},
-                                      std::vector<int>{}, std::vector<int>{2, 2}}) {
+                                      std::vector<int>{0, 1, 2, 3, 3}, std::vector<int>{2, 2}}) {
     CHECK_THROWS_WITH_AS((void)decode_members("dtrain/agent/3/members", encode_members(bad), 4),
                          doctest::Contains("store key dtrain/agent/3/members"),
                          dtrain::rendezvous_error);
@@ -791,6 +792,38 @@ TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to
             .find("node 0 (host-0:100) runs 2 workers, this node 4; every node must run the "
                   "same nproc_per_node") != std::string::npos);
   CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
+}
+
+TEST_CASE(
+    "elastic rounds: an agent back from a lost store raises the round, node 0 forms the next") {
+  using dtrain::detail::agent_keys;
+  using dtrain::detail::agent_store;
+  using dtrain::detail::decode_members;
+  const dtrain::store_options options{.timeout = 20s, .token = "unit-test-elastic-new-store"};
+  // A new node 0's store: it knows no round, and waits for 2 nodes in round 0.
+  agent_store node0{0, 2, "127.0.0.1", "127.0.0.1", 0, options};
+  node0.join_elastic({1, 1, "host-0b", 100});
+  CHECK(node0.first_round() == 0);
+  int round0 = node0.first_round();
+  std::vector<int> members0;
+  std::thread forming([&] { members0 = node0.form_round(round0, 2, 2s); });
+  // Node 1's agent comes back from round 1: the rounds go on from there.
+  agent_store node1{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+  node1.join_elastic({1, 1, "host-1", 200, "", "", 2});
+  CHECK(node1.first_round() == 2);
+  node1.raise_round(0);  // never lowered
+  CHECK(node1.first_round() == 2);
+  int round1 = node1.first_round();
+  const std::vector<int> members1 = node1.form_round(round1, 2, 2s);
+  forming.join();
+  CHECK(round0 == 2);
+  CHECK(round1 == 2);
+  CHECK(members0 == std::vector<int>{0, 1});
+  CHECK(members1 == std::vector<int>{0, 1});
+  // Round 0 was passed over: a node that waited for it finds no members.
+  const std::string passed = agent_keys::members(0);
+  CHECK(decode_members(passed, node1.client().get(passed), 2).empty());
+  CHECK(node0.first_round() == 3);
 }
 
 TEST_CASE("fixed join: agents that come back to a new node 0's store go on with their next round") {

@@ -143,13 +143,13 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
         say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what());
         return 1;
       }
-      if (elastic() || restart >= options_.max_restarts) {
+      // A restart, as any lost node is: in a fixed-size job the rounds
+      // count them, in an elastic one the failures.
+      const int used = elastic() ? failures_ : restart;
+      if (used >= options_.max_restarts) {
         say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what() +
-            (elastic() ? "; an elastic job cannot go on without node 0, which serves the store"
-                       : "; no restart is left to wait for an agent to take node 0's place "
-                         "(restarts used: " +
-                             std::to_string(restart) + " of " +
-                             std::to_string(options_.max_restarts) + ")"));
+            "; no restart is left to wait for an agent to take node 0's place (restarts used: " +
+            std::to_string(used) + " of " + std::to_string(options_.max_restarts) + ")");
         return 1;
       }
       lost = e.what();
@@ -174,12 +174,15 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       say(what + "; stopped this node's workers");
       return status;
     }
-    // Node 0's agent is gone, and with it the store (a fixed-size job with a
-    // restart left): the round under way has stopped this node's workers.
-    // The agent that takes node 0's place serves a new store at the same
-    // address; this one joins it and the job goes on from the next round.
+    // Node 0's agent is gone, and with it the store (a restart left): the
+    // round under way has stopped this node's workers. The agent that takes
+    // node 0's place serves a new store at the same address; this one joins
+    // it, and the rounds go on from the one after its last (a fixed-size
+    // job: join() takes the newest of the nodes' records; an elastic one:
+    // join_elastic() raises the newest round, and node 0 forms the next).
     const std::uint64_t known = store->client().instance();
     store.reset();
+    if (elastic()) ++failures_;
     if (const int status = await_new_store(lost, restart, known); status != 0) return status;
     comes_into = restart + 1;
   }
@@ -206,7 +209,8 @@ DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int
       "): this node's workers are stopped; waiting for an agent to take the place of node 0 "
       "(start one there or on another host with that address, with --node-rank 0), at most the "
       "store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
-      std::to_string(restart + 1) + " (restart " + std::to_string(restart + 1) + " of " +
+      std::to_string(restart + 1) + " (restart " +
+      std::to_string(elastic() ? failures_ : restart + 1) + " of " +
       std::to_string(options_.max_restarts) + ")");
   store_options probe = store_options_;
   probe.timeout = std::chrono::seconds(1);
@@ -370,9 +374,18 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
 DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& store, int& restart) {
   // How long node 0 waits, once enough nodes are ready, for the others.
   constexpr std::chrono::milliseconds last_call{2000};
-  int failures = 0;
   for (restart = store.first_round();; ++restart) {
+    const int asked = restart;
     const std::vector<int> members = store.form_round(restart, *options_.min_nnodes, last_call);
+    if (members.empty()) {
+      // Node 0 went on with a later round, which another agent asked for.
+      restart = store.first_round() - 1;
+      continue;
+    }
+    if (restart > asked && node_rank() == 0) {
+      say("the other nodes' agents came back from round " + std::to_string(restart - 1) +
+          " (node 0's agent, and its store, were replaced): the rounds go on from there");
+    }
     std::string names;
     for (const int n : members) names += (names.empty() ? "" : ", ") + std::to_string(n);
     if (std::find(members.begin(), members.end(), node_rank()) == members.end()) {
@@ -396,10 +409,10 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
       say(end.message);
       continue;
     }
-    if (ends_job(end, failures)) return end.status;
-    ++failures;
+    if (ends_job(end, failures_)) return end.status;
+    ++failures_;
     say(end.message + "; forming the next round of the nodes present (restart " +
-        std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
+        std::to_string(failures_) + " of " + std::to_string(options_.max_restarts) + ")");
   }
 }
 

@@ -156,6 +156,7 @@ class node_agent {
   std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
   std::string buddy_at_;  // where this agent holds the copies of the node before it (serve_buddies)
   std::string metrics_dir_;  // the workers' DTRAIN_METRICS_DIR, which the endpoint serves
+  int failures_ = 0;         // elastic: the rounds that failed (restarts used), across stores
 };
 
 }  // namespace dtrain

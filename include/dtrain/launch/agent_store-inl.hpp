@@ -94,6 +94,9 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
     check_same_shape(0, node_record::decode(key, client_.get(key)), me);
   }
   static_cast<void>(take_place(me, window));
+  // Back from a store that is gone (node 0's agent was replaced): the rounds
+  // go on from the one this agent ran.
+  if (me.round > 0) raise_round(static_cast<int>(me.round) - 1);
 }
 
 DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
@@ -184,17 +187,37 @@ DTRAIN_DETAIL_INLINE int agent_store::first_round() {
   return static_cast<int>(newest) + 1;
 }
 
-DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int min_nodes,
+DTRAIN_DETAIL_INLINE void agent_store::raise_round(int round) {
+  const std::string key(agent_keys::current_round);
+  const std::string want = wire::encode_int(round);
+  std::string now = client_.check(std::span<const std::string>(&key, 1)) ? client_.get(key) : "";
+  while (now.empty() || first_round() <= round) {
+    const std::string after = client_.compare_set(key, now, want);
+    if (after == want) return;
+    now = after;  // another agent's, meanwhile: look again
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int& restart, int min_nodes,
                                                               std::chrono::milliseconds last_call) {
+  if (node_rank_ == 0 && first_round() > restart) {
+    // Another agent asks for a later round (raise_round()): a node that
+    // waits for this one learns that it was passed over.
+    client_.set(agent_keys::members(restart), encode_members({}));
+    restart = first_round();
+  }
   client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
   client_.add(agent_keys::ready(restart), 1);
   const std::string members_key = agent_keys::members(restart);
   const std::string round = "round " + std::to_string(restart);
   if (node_rank_ == 0) {
     auto ready = [&] { return client_.add(agent_keys::ready(restart), 0); };
-    wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
-                                                       " of " + std::to_string(nnodes_) +
-                                                       " nodes to be ready for " + round);
+    // An agent that asks for a later round: form that one instead.
+    auto later = [&] { return first_round() > restart; };
+    wait_for([&] { return ready() >= min_nodes || later(); },
+             "at least " + std::to_string(min_nodes) + " of " + std::to_string(nnodes_) +
+                 " nodes to be ready for " + round);
+    if (later()) return form_round(restart, min_nodes, last_call);
     // The last call, for nodes still starting: a time-out here is no
     // failure, the round is who came. After node 0's first round, the nodes
     // whose agents are gone are not waited for: every one connected is.
@@ -211,8 +234,9 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     };
     static_cast<void>(poll_until(
         std::chrono::steady_clock::now() + last_call,
-        [&] { return ready() >= nnodes_ || connected_ready(); },
+        [&] { return ready() >= nnodes_ || connected_ready() || later(); },
         "the other nodes to be ready for " + round));
+    if (later()) return form_round(restart, min_nodes, last_call);
     const bool first = !std::exchange(formed_, true);
     std::vector<int> nodes;
     for (int n = 0; n < nnodes_; ++n) {
@@ -227,7 +251,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
       }
     }
     client_.set(members_key, encode_members(nodes));
-    client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
+    raise_round(restart);
   } else {
     wait_for([&] { return client_.check(std::span<const std::string>(&members_key, 1)); },
              "node 0 to form " + round);

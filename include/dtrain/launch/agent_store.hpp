@@ -231,8 +231,13 @@ class agent_store {
                     std::chrono::milliseconds window = std::chrono::milliseconds(2500));
 
   /// The round a node that starts now joins: the one after the newest round
-  /// formed, or round 0.
+  /// formed (or asked for, raise_round()), or round 0.
   int first_round();
+  /// Makes `round` the newest (agent_keys::current_round) unless a later one
+  /// is: never lowers it. An agent that comes back to the store of an agent
+  /// that took node 0's place raises it to the round it ran, so that the
+  /// rounds go on from there (join_elastic()).
+  void raise_round(int round);
 
   /// Says that this node is ready for round `restart` and returns the
   /// round's nodes (ascending), which node 0 chooses: once at least
@@ -242,15 +247,20 @@ class agent_store {
   /// node whose agent is connected (its lease) is ready: survivors of a lost
   /// node do not wait for it. Every agent counts the round's nodes from then
   /// on (success, leaving). A node not among them joins a later round.
-  std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+  /// Node 0 forms a later round than `restart` when another agent asks for
+  /// one (raise_round(): it came back to this store, which serves the job
+  /// since node 0's agent was replaced): `restart` becomes that round. A
+  /// round node 0 passed over that way has no nodes: empty.
+  std::vector<int> form_round(int& restart, int min_nodes, std::chrono::milliseconds last_call);
 
   /// Node 0, after form_round(): the nodes it did not wait for because their
   /// agents were gone.
   [[nodiscard]] const std::vector<int>& passed_over() const noexcept { return passed_over_; }
 
-  /// Whether a node is ready for the round after `restart`: one waits to join.
+  /// Whether a node is ready for the round after `restart`, or asks for a
+  /// later one (raise_round()): one waits to join.
   [[nodiscard]] bool node_waiting(int restart) {
-    return client_.add(agent_keys::ready(restart + 1), 0) > 0;
+    return client_.add(agent_keys::ready(restart + 1), 0) > 0 || first_round() > restart + 1;
   }
 
   /// Says this agent is done. Node 0 keeps the store up until every agent

@@ -142,8 +142,8 @@ DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std
                                                      int nnodes) {
   return wire::decode_value("store key " + key, value, "a round's nodes", [&](wire::reader& r) {
     const std::uint32_t count = r.u32("the number of nodes");
-    if (count == 0 || count > static_cast<std::uint32_t>(nnodes)) {
-      throw wire::violation(std::to_string(count) + " nodes, not 1.." + std::to_string(nnodes));
+    if (count > static_cast<std::uint32_t>(nnodes)) {
+      throw wire::violation(std::to_string(count) + " nodes, not 0.." + std::to_string(nnodes));
     }
     std::vector<int> nodes;
     for (std::uint32_t i = 0; i < count; ++i) {

@@ -30,7 +30,8 @@
 ///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
-///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
+///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes (none:
+///                                   node 0 passed round r over for a later one)
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well
@@ -210,7 +211,8 @@ struct node_record {
 inline std::string encode_port(int port) { return wire::encode_int(port); }
 DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
 
-/// An elastic round's members: node ranks, ascending, each below `nnodes`.
+/// An elastic round's members: node ranks, ascending, each below `nnodes`;
+/// none for a round that node 0 passed over (agent_store::form_round()).
 DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
 DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
                                                      int nnodes);
