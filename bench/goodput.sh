@@ -5,11 +5,14 @@
 # cluster.sh: root and network namespaces; "SKIPPED" and exit 77 without),
 # with a disk checkpoint every 10 steps, from the disk alone or with the
 # memory tier every step (--memory-every 1). Each runs once without failures
-# and once with node 2 lost every PERIOD seconds (default 20): its agent
-# SIGKILLed (its workers go with it) and a new agent started on node 2 at
-# once, which takes the lost one's place (dtrun's replacement node,
-# docs/launching.md). No loss is injected in the last tenth of the
-# failure-free time, so that every loss lands inside the job.
+# and once with a node lost every PERIOD seconds (default 20): every process
+# on it SIGKILLed (its host lost: agent and workers) and a new agent started
+# there at once, which takes the lost one's place (dtrun's replacement node,
+# docs/launching.md). The lost nodes take turns: node 2, then node 1 (node 0,
+# whose agent serves the store: the other agent waits for the new one's
+# store), and so on (LOST="2 1"; LOST=2: node 2 only). No loss is injected in
+# the last tenth of the failure-free time, so that every loss lands inside
+# the job.
 #
 # Prints a table: the seconds of each run, the losses, the seconds each loss
 # cost, the steps trained twice (from the sample logs, counted by
@@ -28,7 +31,9 @@
 # Python 3.11) running the demo's twin (bench/goodput_twin.py: vs_pytorch.py's
 # model in DDP over Gloo, a checkpoint every 10 steps, resumed at start) as an
 # elastic job (--nnodes 1:2, c10d rendezvous on node 1, --max-restarts 100),
-# node 2 lost (every process on it SIGKILLed) and its torchrun started again.
+# node 2 lost (every process on it SIGKILLed) and its torchrun started again:
+# node 2 only, whatever LOST says, for the c10d store lives and dies with
+# node 1's torchrun, and the job with it.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -40,6 +45,10 @@ if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
   exit 77
 fi
 period=${PERIOD:-20}
+read -r -a lost_nodes <<<"${LOST:-2 1}"
+for n in "${lost_nodes[@]}"; do
+  [[ $n == 1 || $n == 2 ]] || { echo "goodput.sh: LOST names nodes 1 and 2, not '$n'" >&2; exit 2; }
+done
 model=(--epochs "${EPOCHS:-15}" --samples 16384 --features 64 --hidden "${HIDDEN:-512}"
        --batch-size 32 --nproc-per-node 2 --checkpoint-every 10)
 twin_model=(--epochs "${EPOCHS:-15}" --samples 16384 --features 64 --hidden "${HIDDEN:-512}"
@@ -71,10 +80,10 @@ start_node() {
     "$demo" "$@" >"$dir/node$n$suffix.out" 2>"$dir/node$n$suffix.err" &
 }
 
-# lose_node2: every process on node 2 SIGKILLed (its host lost); whether there was any.
-lose_node2() {
+# lose_node N: every process on node N SIGKILLed (its host lost); whether there was any.
+lose_node() {
   local pids
-  pids=$(ip netns pids "$(cluster_ns "$cluster_id" 2)")
+  pids=$(ip netns pids "$(cluster_ns "$cluster_id" "$1")")
   [[ -n $pids ]] || return 1
   # shellcheck disable=SC2086
   kill -KILL $pids 2>/dev/null
@@ -87,9 +96,10 @@ since() { awk -v now="$EPOCHREALTIME" -v then="$1" 'BEGIN { printf "%.3f", now -
 # summed over the changes of round (tests/scripts/sample_log.py).
 twice() { python3 "$here/../tests/scripts/sample_log.py" twice "$1/samples"; }
 
-# run NAME KIND LOSSES_UNTIL: one job (KIND: disk, memory or torchrun);
-# node 2 lost every PERIOD s while the job is younger than LOSSES_UNTIL s (0:
-# never), and started again at once. Prints "seconds losses twice".
+# run NAME KIND LOSSES_UNTIL: one job (KIND: disk, memory or torchrun); a
+# node lost every PERIOD s (the LOST nodes in turn; torchrun: node 2) while
+# the job is younger than LOSSES_UNTIL s (0: never), and started again at
+# once. Prints "seconds losses twice".
 run() {
   local name=$1 kind=$2 until=$3 dir=$work/$1
   mkdir -p "$dir/samples" "$dir/ckpt"
@@ -99,21 +109,28 @@ run() {
   [[ $kind == torchrun ]] && flags=("${twin_model[@]}" --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples")
   local start=$EPOCHREALTIME
   start_node 1 "$dir" "" "$kind" "${flags[@]}"
-  local first=$!
+  local first=$! first_log=$dir/node1.err  # node 1's agent now (the job ends with it)
   start_node 2 "$dir" "" "$kind" "${flags[@]}"
-  local losses=0 next=$period
+  local losses=0 next=$period turns=("${lost_nodes[@]}") lost
+  [[ $kind == torchrun ]] && turns=(2)
   while kill -0 "$first" 2>/dev/null; do
     sleep 0.1
     if awk -v age="$(since "$start")" -v next_loss="$next" -v until="$until" \
       'BEGIN { exit !(age >= next_loss && age < until) }'; then
-      if lose_node2; then
+      lost=${turns[$((losses % ${#turns[@]}))]}
+      if lose_node "$lost"; then
         losses=$((losses + 1))
-        start_node 2 "$dir" ".$losses" "$kind" "${flags[@]}"
+        start_node "$lost" "$dir" ".$losses" "$kind" "${flags[@]}"
+        if ((lost == 1)); then
+          first=$!
+          first_log=$dir/node1.$losses.err
+        fi
       fi
       next=$((next + period))
     fi
   done
-  wait "$first" || { echo "goodput.sh: $name: node 1 exited with $? (see $dir)" >&2; tail -n 5 "$dir"/node1.err >&2; return 1; }
+  wait "$first" ||
+    { echo "goodput.sh: $name: node 1 exited with $? (see $dir)" >&2; tail -n 5 "$first_log" >&2; return 1; }
   wait
   local took again
   took=$(since "$start")
@@ -121,7 +138,8 @@ run() {
   printf '%.2f %d %d\n' "$took" "$losses" "$again"
 }
 
-echo "bench/goodput.sh: $(nproc) cores, 2 simulated nodes x 2, a node lost every $period s"
+echo "bench/goodput.sh: $(nproc) cores, 2 simulated nodes x 2, a node lost every $period s" \
+  "(in turn: node ${lost_nodes[*]}; torchrun: node 2)"
 kinds=(disk memory)
 if /usr/bin/python3 -c "import torch.distributed.run" 2>/dev/null; then
   kinds+=(torchrun)
