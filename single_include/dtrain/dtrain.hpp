@@ -20163,7 +20163,9 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
 ///                                   connection closes
 ///     dtrain/agent/current_round    i64: the newest round formed (elastic) or started (fixed:
-///                                   a replacement agent comes into the round after it)
+///                                   a replacement agent comes into the round after it); an
+///                                   elastic agent back from a lost store raises it to the
+///                                   round it ran (never lowered: agent_store::raise_round)
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
