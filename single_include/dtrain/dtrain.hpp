@@ -24511,11 +24511,11 @@ DTRAIN_DETAIL_INLINE void agent_store::raise_round(int round) {
 
 DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int& restart, int min_nodes,
                                                               std::chrono::milliseconds last_call) {
-  if (node_rank_ == 0 && first_round() > restart) {
+  if (const int asked = node_rank_ == 0 ? first_round() : restart; asked > restart) {
     // Another agent asks for a later round (raise_round()): a node that
     // waits for this one learns that it was passed over.
     client_.set(agent_keys::members(restart), encode_members({}));
-    restart = first_round();
+    restart = asked;
   }
   client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
   client_.add(agent_keys::ready(restart), 1);
@@ -26334,6 +26334,9 @@ class node_agent {
 
   void say(const std::string& text, bool verbose = false) const;
 
+  /// The store's options for one look at node 0's store (store_lost(),
+  /// await_new_store()): 1 s to connect, no progress lines.
+  store_options probe_options() const;
   /// After `store` failed: whether node 0's store is gone (nothing answers at
   /// its address, or a new store does), not merely this call.
   bool store_lost(detail::agent_store& store) const;
@@ -26577,12 +26580,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
 }
 
-DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
+DTRAIN_DETAIL_INLINE store_options node_agent::probe_options() const {
   store_options probe = store_options_;
   probe.timeout = std::chrono::seconds(1);
   probe.progress_interval = std::chrono::milliseconds(0);
+  return probe;
+}
+
+DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
   try {
-    const store_client now(master_addr_, master_port_, probe);
+    const store_client now(master_addr_, master_port_, probe_options());
     return now.instance() != store.client().instance();
   } catch (const token_error&) {
     return false;  // a store answers there (with another token): not a lost one
@@ -26601,9 +26608,7 @@ DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int
       std::to_string(restart + 1) + " (restart " +
       std::to_string(elastic() ? failures_ : restart + 1) + " of " +
       std::to_string(options_.max_restarts) + ")");
-  store_options probe = store_options_;
-  probe.timeout = std::chrono::seconds(1);
-  probe.progress_interval = std::chrono::milliseconds(0);
+  const store_options probe = probe_options();
   const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
   for (;;) {
     if (const int sig = detail::pending_agent_signal(); sig != 0) {

@@ -349,10 +349,9 @@ case $case_name in
     # node's agent (node2's; node1's, node 0 that serves the store, in replace_node0)
     # is SIGKILLed at a random step past the first checkpoint, and an agent
     # started again there takes its place.
-    lost=2 kept=1
-    [[ $case_name == replace_node0* ]] && lost=1 kept=2
-    rank0=node1  # where rank 0 prints, once the job is over
-    [[ $case_name == replace_node0* ]] && rank0=node1.replacement
+    # rank0: where rank 0 prints, once the job is over; new_ranks: the lost node's.
+    lost=2 kept=1 rank0=node1 new_ranks="2, 3"
+    [[ $case_name == replace_node0* ]] && lost=1 kept=2 rank0=node1.replacement new_ranks="0, 1"
     port=$((port + 1))
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
@@ -416,8 +415,6 @@ case $case_name in
     fi
     # The new node's ranks had no copies: each took its own from its buddy (the
     # next node's agent), and every rank resumed from memory (nothing read from the disk).
-    new_ranks="2, 3"
-    [[ $case_name == replace_node0* ]] && new_ranks="0, 1"
     grep -q "memory tier: rank(s) $new_ranks had no copy of their newest step on their node.*from its buddy" \
       "$work/$rank0.err" || fail "the replacement's ranks did not take their copies from their buddy"
     grep -q "resumed from the memory copy of step" "$work/$rank0.err" ||

@@ -188,12 +188,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
 }
 
-DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
+DTRAIN_DETAIL_INLINE store_options node_agent::probe_options() const {
   store_options probe = store_options_;
   probe.timeout = std::chrono::seconds(1);
   probe.progress_interval = std::chrono::milliseconds(0);
+  return probe;
+}
+
+DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) const {
   try {
-    const store_client now(master_addr_, master_port_, probe);
+    const store_client now(master_addr_, master_port_, probe_options());
     return now.instance() != store.client().instance();
   } catch (const token_error&) {
     return false;  // a store answers there (with another token): not a lost one
@@ -212,9 +216,7 @@ DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int
       std::to_string(restart + 1) + " (restart " +
       std::to_string(elastic() ? failures_ : restart + 1) + " of " +
       std::to_string(options_.max_restarts) + ")");
-  store_options probe = store_options_;
-  probe.timeout = std::chrono::seconds(1);
-  probe.progress_interval = std::chrono::milliseconds(0);
+  const store_options probe = probe_options();
   const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
   for (;;) {
     if (const int sig = detail::pending_agent_signal(); sig != 0) {

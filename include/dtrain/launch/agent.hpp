@@ -108,6 +108,9 @@ class node_agent {
 
   void say(const std::string& text, bool verbose = false) const;
 
+  /// The store's options for one look at node 0's store (store_lost(),
+  /// await_new_store()): 1 s to connect, no progress lines.
+  store_options probe_options() const;
   /// After `store` failed: whether node 0's store is gone (nothing answers at
   /// its address, or a new store does), not merely this call.
   bool store_lost(detail::agent_store& store) const;

@@ -200,11 +200,11 @@ DTRAIN_DETAIL_INLINE void agent_store::raise_round(int round) {
 
 DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int& restart, int min_nodes,
                                                               std::chrono::milliseconds last_call) {
-  if (node_rank_ == 0 && first_round() > restart) {
+  if (const int asked = node_rank_ == 0 ? first_round() : restart; asked > restart) {
     // Another agent asks for a later round (raise_round()): a node that
     // waits for this one learns that it was passed over.
     client_.set(agent_keys::members(restart), encode_members({}));
-    restart = first_round();
+    restart = asked;
   }
   client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
   client_.add(agent_keys::ready(restart), 1);
