@@ -25111,7 +25111,8 @@ struct agent_options {
   /// SIGTERM → SIGKILL delay when workers are stopped.
   /// Environment: DTRAIN_GRACE_PERIOD (seconds).
   std::chrono::milliseconds grace_period = default_grace_period;
-  /// A node whose agent is silent this long is lost: the others end the job.
+  /// A node whose agent is silent this long is lost (node 0's, whose store
+  /// does not answer a call this long, too): the others end the round.
   /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
   std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
   /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
@@ -26334,17 +26335,29 @@ class node_agent {
 
   void say(const std::string& text, bool verbose = false) const;
 
+  /// The options of this agent's connection to the job's store: the store's,
+  /// but on a node other than 0 a call waits for a reply at most the heartbeat
+  /// timeout (when DTRAIN_STORE_IO_TIMEOUT is longer). Node 0's agent beats its
+  /// heartbeat in that store, so a store silent that long is node 0's agent
+  /// frozen, or its host gone without closing its connections (store_lost()
+  /// then tells which), found as soon as a frozen node of another rank is.
+  store_options client_options() const;
   /// The store's options for one look at node 0's store (store_lost(),
   /// await_new_store()): 1 s to connect, no progress lines.
   store_options probe_options() const;
+  /// In a handler, for a failure of this agent (the exception handled): tells
+  /// the other nodes through `store` (unless gone), so that they end too, and
+  /// returns 128 + signal when a signal ended a wait, else rethrows it.
+  int fail(std::optional<detail::agent_store>& store, int restart);
   /// After `store` failed: whether node 0's store is gone (nothing answers at
   /// its address, or a new store does), not merely this call.
   bool store_lost(detail::agent_store& store) const;
-  /// Node 0's agent is gone with the store (`why`), in round `restart`: waits,
-  /// at most the store timeout, for a store at the same address (an agent that
-  /// takes node 0's place serves it). Returns 0 once one answers, 128 + signal
-  /// when a signal asks the agent to stop; throws timeout_error.
-  int await_new_store(const std::string& why, int restart, std::uint64_t known);
+  /// Node 0's agent is gone with the store (`why`; `silent`: it does not
+  /// answer), in round `restart`: waits, at most the store timeout, for a
+  /// store at the same address (an agent that takes node 0's place serves it;
+  /// or node 0's, awake again). Returns 0 once one answers, 128 + signal when
+  /// a signal asks the agent to stop; throws timeout_error.
+  int await_new_store(const std::string& why, bool silent, int restart, std::uint64_t known);
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
@@ -26491,7 +26504,7 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   detail::become_subreaper();
   const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
   std::optional<detail::agent_store> store;
-  store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+  store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, client_options());
   master_port_ = store->port();
   say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
           std::to_string(nproc_) + " workers, store at " +
@@ -26506,10 +26519,11 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   int restart = 0;     // the round under way, for a failure outside it
   int comes_into = 0;  // the round this agent comes into (node_record::round)
   for (;;) {
-    std::string lost;  // why node 0's store is gone, when this agent waits for a new one
+    std::string lost;     // why node 0's store is gone, when this agent waits for a new one
+    bool silent = false;  // it is there, but does not answer
     try {
       if (!store)
-        store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, store_options_);
+        store.emplace(node_rank(), nnodes(), bind, master_addr_, master_port_, client_options());
       const detail::node_record me{
           nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
           ::getpid(), options_.rdzv_id,      buddy_at_,
@@ -26529,42 +26543,33 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       say(e.what());
       return 1;
     } catch (const rendezvous_error& e) {
-      const std::string where = detail::endpoint_text(master_addr_, master_port_);
       // Node 0 serves the store itself: a failed call there is no lost store.
       if (!store || node_rank() == 0 || !store_lost(*store)) {
-        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what());
-        return 1;
-      }
-      // A restart, as any lost node is: in a fixed-size job the rounds
-      // count them, in an elastic one the failures.
-      const int used = elastic() ? failures_ : restart;
-      if (used >= options_.max_restarts) {
-        say("lost the rendezvous store (node 0's agent) at " + where + ": " + e.what() +
-            "; no restart is left to wait for an agent to take node 0's place (restarts used: " +
-            std::to_string(used) + " of " + std::to_string(options_.max_restarts) + ")");
+        say("lost the rendezvous store (node 0's agent) at " +
+            detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
         return 1;
       }
       lost = e.what();
+    } catch (const timeout_error& e) {
+      // No reply from node 0's store within the heartbeat timeout
+      // (client_options()): node 0's agent is frozen, or its host is gone
+      // without closing its connections. Any other timeout (a wait for the
+      // nodes, while the store answers) is this agent's failure.
+      if (!store || node_rank() == 0 || !store_lost(*store)) return fail(store, restart);
+      lost = std::string(e.what()) + " (DTRAIN_HEARTBEAT_TIMEOUT " +
+             detail::seconds_text(options_.heartbeat_timeout) + " s)";
+      silent = true;
     } catch (...) {
-      // The round (if one ran) has stopped its workers while unwinding. A
-      // signal that interrupted a wait ends the job like one during the run.
-      const int sig = detail::pending_agent_signal();
-      auto [status, what] = sig != 0
-                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
-                                : detail::current_failure();
-      // Tell the other nodes, so that they end too instead of waiting for this one.
-      try {
-        if (store) {
-          store->record_failure(restart, status, true,
-                                "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-          store->leave(options_.grace_period);
-        }
-      } catch (...) {
-        // The store is gone too: the other agents notice that themselves.
-      }
-      if (sig == 0) throw;
-      say(what + "; stopped this node's workers");
-      return status;
+      return fail(store, restart);
+    }
+    // A restart, as any lost node is: in a fixed-size job the rounds count
+    // them, in an elastic one the failures.
+    if (const int used = elastic() ? failures_ : restart; used >= options_.max_restarts) {
+      say("lost the rendezvous store (node 0's agent) at " +
+          detail::endpoint_text(master_addr_, master_port_) + ": " + lost +
+          "; no restart is left to wait for an agent to take node 0's place (restarts used: " +
+          std::to_string(used) + " of " + std::to_string(options_.max_restarts) + ")");
+      return 1;
     }
     // Node 0's agent is gone, and with it the store (a restart left): the
     // round under way has stopped this node's workers. The agent that takes
@@ -26575,9 +26580,38 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     const std::uint64_t known = store->client().instance();
     store.reset();
     if (elastic()) ++failures_;
-    if (const int status = await_new_store(lost, restart, known); status != 0) return status;
+    if (const int status = await_new_store(lost, silent, restart, known); status != 0)
+      return status;
     comes_into = restart + 1;
   }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::fail(std::optional<detail::agent_store>& store, int restart) {
+  // The round (if one ran) has stopped its workers while unwinding. A
+  // signal that interrupted a wait ends the job like one during the run.
+  const int sig = detail::pending_agent_signal();
+  auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                 : detail::current_failure();
+  // Tell the other nodes, so that they end too instead of waiting for this one.
+  try {
+    if (store) {
+      store->record_failure(restart, status, true,
+                            "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+      store->leave(options_.grace_period);
+    }
+  } catch (...) {
+    // The store is gone too: the other agents notice that themselves.
+  }
+  if (sig == 0) throw;
+  say(what + "; stopped this node's workers");
+  return status;
+}
+
+DTRAIN_DETAIL_INLINE store_options node_agent::client_options() const {
+  store_options options = store_options_;
+  if (node_rank() != 0)
+    options.io_timeout = std::min(options.io_timeout, options_.heartbeat_timeout);
+  return options;
 }
 
 DTRAIN_DETAIL_INLINE store_options node_agent::probe_options() const {
@@ -26598,13 +26632,16 @@ DTRAIN_DETAIL_INLINE bool node_agent::store_lost(detail::agent_store& store) con
   }
 }
 
-DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, int restart,
-                                                     std::uint64_t known) {
+DTRAIN_DETAIL_INLINE int node_agent::await_new_store(const std::string& why, bool silent,
+                                                     int restart, std::uint64_t known) {
   const std::string where = detail::endpoint_text(master_addr_, master_port_);
-  say("node 0's agent is gone, and with it the store at " + where + " (" + why +
-      "): this node's workers are stopped; waiting for an agent to take the place of node 0 "
-      "(start one there or on another host with that address, with --node-rank 0), at most the "
-      "store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
+  say((silent ? "node 0's store at " + where + " does not answer (" + why +
+                    "): node 0's agent is frozen, or its host is gone"
+              : "node 0's agent is gone, and with it the store at " + where + " (" + why + ")") +
+      ": this node's workers are stopped; waiting for an agent to take the place of node 0 "
+      "(start one there or on another host with that address, with --node-rank 0)" +
+      (silent ? ", or for node 0's to answer again" : "") +
+      ", at most the store timeout (DTRAIN_STORE_TIMEOUT); the job then goes on with round " +
       std::to_string(restart + 1) + " (restart " +
       std::to_string(elastic() ? failures_ : restart + 1) + " of " +
       std::to_string(options_.max_restarts) + ")");

@@ -6,7 +6,7 @@ set(cluster_dir "${CMAKE_CURRENT_LIST_DIR}")
 set(cluster_cases dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname killed_worker
                   hierarchical_gloo hierarchical_mpi doctor elastic_1_2 elastic_1_2_zero1 replace_node
                   replace_node0 replace_node0_elastic
-                  freeze_node metrics_endpoint)
+                  freeze_node freeze_node0 power_off_node0 metrics_endpoint)
 if(TARGET dtrun AND TARGET dtrain_whoami)
   set(peer_dir "")
   if(TARGET dtrain_ddp_peer)

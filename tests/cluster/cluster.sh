@@ -10,6 +10,9 @@
 #                                namespace where gethostname() is NODE; node names
 #                                resolve through the node's own /etc/hosts
 #   cluster_ip NODE              NODE's address
+#   cluster_cut_off NODE         NODE's link cut, no connection closed (its processes
+#                                stay, unreachable: freeze them for a host without power)
+#   cluster_new_host NODE        a new host with the name and addresses of NODE, cut off
 #   cluster_hosts_loopback NODE  NODE's /etc/hosts maps NODE to 127.0.1.1, as
 #                                Debian does for a machine's own name
 #   cluster_exit_hook=CMD        also run CMD when the shell exits (set before cluster_up)
@@ -50,8 +53,14 @@ cluster_fail() {
   exit 1
 }
 
-# The namespace of node N of the cluster with id ID.
-cluster_ns() { echo "dtc$1-node$2"; }
+# The namespace of node N of the cluster with id ID (its host's: the Gth
+# since the first, cluster_new_host()).
+cluster_generation=()
+cluster_mac=()  # a host cut off: its MAC address, for the next
+cluster_ns() {
+  local g=${cluster_generation[$2]:-0}
+  if ((g == 0)); then echo "dtc$1-node$2"; else echo "dtc$1-node$2-$g"; fi
+}
 
 # Removes cluster ID: what `cluster_teardown` and the guardian run.
 cluster_remove() {
@@ -121,25 +130,59 @@ cluster_up() {
     cluster_skip "cannot create a bridge ($(head -c 200 "$cluster_dir/error")); needs CAP_NET_ADMIN"
   fi
   cluster_nodes=$n
+  cluster_rate=$rate
   ip link set "dtb$cluster_id" up
-  for ((i = 1; i <= n; i++)); do
-    ns=$(cluster_ns "$cluster_id" "$i")
-    host_end="dtv${cluster_id}n$i"
-    if ! ip netns add "$ns" 2>"$cluster_dir/error"; then
-      cluster_skip "cannot create a network namespace ($(head -c 200 "$cluster_dir/error")); needs CAP_SYS_ADMIN"
-    fi
-    ip link add "$host_end" type veth peer name eth0 netns "$ns" || return 1
-    ip link set "$host_end" master "dtb$cluster_id" up || return 1
-    ip -n "$ns" link set lo up
-    ip -n "$ns" addr add "$cluster_net.$i/24" dev eth0
-    ip -n "$ns" link set eth0 up
-    if [[ -n $rate ]]; then
-      tc qdisc add dev "$host_end" root tbf rate "$rate" burst 512kb latency 100ms 2>"$cluster_dir/error" &&
-        ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms 2>"$cluster_dir/error" ||
-        cluster_skip "cannot limit a link with tc tbf ($(head -c 200 "$cluster_dir/error")); needs sch_tbf"
-    fi
-  done
+  for ((i = 1; i <= n; i++)); do cluster_add_host "$i" "" || return 1; done
   for ((i = 1; i <= n; i++)); do cluster_write_hosts "$i" ""; done
+}
+
+# The host of node I: its namespace, its link to the bridge (at cluster_rate),
+# its address; MAC, if given, is its eth0's hardware address.
+cluster_add_host() {
+  local i=$1 mac=$2 ns host_end
+  ns=$(cluster_ns "$cluster_id" "$i")
+  host_end="dtv${cluster_id}n$i"
+  if ! ip netns add "$ns" 2>"$cluster_dir/error"; then
+    cluster_skip "cannot create a network namespace ($(head -c 200 "$cluster_dir/error")); needs CAP_SYS_ADMIN"
+  fi
+  ip link add "$host_end" type veth peer name eth0 ${mac:+address "$mac"} netns "$ns" || return 1
+  ip link set "$host_end" master "dtb$cluster_id" up || return 1
+  ip -n "$ns" link set lo up
+  ip -n "$ns" addr add "$cluster_net.$i/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  if [[ -n $cluster_rate ]]; then
+    tc qdisc add dev "$host_end" root tbf rate "$cluster_rate" burst 512kb latency 100ms 2>"$cluster_dir/error" &&
+      ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$cluster_rate" burst 512kb latency 100ms 2>"$cluster_dir/error" ||
+      cluster_skip "cannot limit a link with tc tbf ($(head -c 200 "$cluster_dir/error")); needs sch_tbf"
+  fi
+}
+
+# NODE's host is cut off, as one that lost its power is (freeze its processes
+# first): its link is gone, without a connection closed; its processes stay,
+# unreachable. cluster_new_host NODE then gives its name and addresses to a
+# new host.
+cluster_cut_off() {
+  local i mac
+  i=$(cluster_node_index "$1") || return 1
+  mac=$(ip -n "$(cluster_ns "$cluster_id" "$i")" -o link show eth0 |
+    sed -n 's|.*link/ether \([0-9a-f:]*\).*|\1|p')
+  [[ -n $mac ]] || { echo "cluster: $1 has no link to cut" >&2; return 1; }
+  cluster_mac[i]=$mac
+  ip link del "dtv${cluster_id}n$i"
+}
+
+# A new host takes the name, address and MAC address of NODE, cut off before
+# (the others' ARP caches stay true), as when a scheduler gives a failed
+# machine's name and address to another: a namespace of its own, which
+# cluster_run, cluster_pids... NODE name from then on.
+cluster_new_host() {
+  local i
+  i=$(cluster_node_index "$1") || return 1
+  [[ -n ${cluster_mac[i]:-} ]] || { echo "cluster: $1 was not cut off" >&2; return 1; }
+  cluster_generation[i]=$((${cluster_generation[i]:-0} + 1))
+  cluster_add_host "$i" "${cluster_mac[i]}" || return 1
+  cluster_mac[i]=""
+  cluster_write_hosts "$i" ""
 }
 
 # /etc/hosts of node I: every node's name and address; with `loopback`, its

@@ -54,6 +54,18 @@
 #                      1 (its workers, should they save once more, cannot name a copy at their
 #                      buddy: a later round holds the list; unit test "a worker of an earlier
 #                      round ..."), and the job ends with the uninterrupted run's checksum
+#   power_off_node0    the same fixed job, node1 (node 0, the store's) frozen whole and cut
+#                      off at a random step, as a host that lost its power (no connection
+#                      closed): node2's calls to the store get no reply within its
+#                      DTRAIN_HEARTBEAT_TIMEOUT (2 s); it finds nothing answering there, stops
+#                      its workers and waits; a new host takes node1's name and address
+#                      (cluster_replace_host), an agent started there serves a new store, and
+#                      the job goes on from memory and ends with the uninterrupted run's
+#                      checksum
+#   freeze_node0       the same, node1 frozen whole (SIGSTOP) and woken (SIGCONT) once node2
+#                      waits for an agent to take node 0's place: node 0's store answers
+#                      again, node2's agent takes its own place back, and the job goes on
+#                      from memory with the uninterrupted run's checksum
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
 #   metrics_endpoint   dtrun --metrics-port on node1, its 2 workers writing metrics files:
@@ -322,7 +334,7 @@ case $case_name in
     python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
       fail "the accuracy $got % is not within a point of $want %"
     ;;
-  replace_node | replace_node0 | replace_node0_elastic | freeze_node)
+  replace_node | replace_node0 | replace_node0_elastic | freeze_node | power_off_node0 | freeze_node0)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     # ZeRO stage 1: a lost node's shards of the optimizer state are on no other node's disk
     # or memory but its buddy's.
@@ -351,12 +363,29 @@ case $case_name in
     # started again there takes its place.
     # rank0: where rank 0 prints, once the job is over; new_ranks: the lost node's.
     lost=2 kept=1 rank0=node1 new_ranks="2, 3"
-    [[ $case_name == replace_node0* ]] && lost=1 kept=2 rank0=node1.replacement new_ranks="0, 1"
+    [[ $case_name == replace_node0* || $case_name == *_node0 ]] &&
+      lost=1 kept=2 rank0=node1.replacement new_ranks="0, 1"
     port=$((port + 1))
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
          --sample-log "$work/samples")
-    [[ $case_name == freeze_node ]] && heartbeat=2
+    [[ $case_name == freeze_node* || $case_name == power_off_node0 ]] && heartbeat=2
+    # ended_whole OUTPUT WHEN WHAT: the job resumed from memory (rank 0 prints in
+    # $work/OUTPUT.err and .out), every sample trained once, at most one step twice,
+    # and it ended with the uninterrupted run's checksum.
+    ended_whole() {
+      grep -q "resumed from the memory copy of step" "$work/$1.err" ||
+        fail "the job did not resume from memory"
+      check_samples "$work/samples" 8192 3
+      got=$(checksum_of "$work/$1.out")
+      [[ $got == "$want" ]] || fail "checksum $got $2, $want uninterrupted"
+      echo "$3: checksum $got, the uninterrupted run's"
+    }
+    # Node 0's store fell silent, and node2 said so (its heartbeat time-out: 2 s).
+    store_silent() {
+      grep -q "node 0's store at node1:$port does not answer (.*no reply from the store at node1:$port in time.*(DTRAIN_HEARTBEAT_TIMEOUT 2 s)): node 0's agent is frozen, or its host is gone" \
+        "$work/node2.err" || fail "node2 did not say that node 0's store fell silent"
+    }
     start_node $kept "" "${job[@]}"
     first=$!
     start_node $lost "" "${job[@]}"
@@ -367,16 +396,38 @@ case $case_name in
     wait_for "step $at in the sample log" logged "$at"
     agent=$(cluster_agent node$lost "$bin/dtrain_train_mlp")
     [[ -n $agent ]] || fail "no agent found on node$lost"
-    if [[ $case_name != freeze_node ]]; then
+    if [[ $case_name == freeze_node* || $case_name == power_off_node0 ]]; then
+      frozen=$(cluster_pids node$lost | xargs)
+      kill -STOP $frozen
+      echo "froze node$lost (pids $frozen) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+      # power_off_node0: its host lost its power: nothing of it answers, no
+      # connection is closed (a new host takes its name and address below).
+      if [[ $case_name == power_off_node0 ]]; then
+        cluster_cut_off node$lost || fail "could not cut node$lost off"
+      fi
+    else
       kill -KILL "$agent"
       echo "killed node$lost's agent (pid $agent) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
-    else
-      frozen=$(cluster_pids node2 | xargs)
-      kill -STOP $frozen
-      echo "froze node2 (pids $frozen) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
     fi
     wait_for "node$kept to wait for a replacement" \
       grep -q "waiting for an agent to take the place of node $((lost - 1))" "$work/node$kept.err"
+    if [[ $case_name == power_off_node0 ]]; then
+      cluster_new_host node$lost || fail "could not give node$lost's name and address to a new host"
+    fi
+    if [[ $case_name == freeze_node0 ]]; then
+      # Node 0 wakes: its agent finds node 2 gone (its connection closed) and waits
+      # for an agent to take its place, node 2's, back from waiting, takes its own
+      # place again, and the job goes on from memory with no new host.
+      kill -CONT $frozen
+      echo "woke node1"
+      wait "$old"; status1=$?
+      wait "$first"; status2=$?
+      grep -h "dtrain agent\|resumed" "$work/node1.err" "$work/node2.err"
+      ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, node2 with $status2"
+      store_silent
+      ended_whole node1 "after node 0 woke" "node 0 woke and the job went on from memory"
+      exit 0
+    fi
     start_node $lost .replacement "${job[@]}"
     second=$!
     if [[ $case_name == freeze_node ]]; then
@@ -404,11 +455,17 @@ case $case_name in
         "$work/node1.replacement.err" || fail "the replacement did not say that the rounds go on"
       grep -q "round 1: nodes 0, 1 (2 of at most 2), 4 workers" "$work/node1.replacement.err" ||
         fail "the replacement did not form round 1 of both nodes"
-    elif [[ $case_name == replace_node0 ]]; then
+    elif [[ $case_name == replace_node0 || $case_name == power_off_node0 ]]; then
       grep -q "takes the place of node 0's agent, which is gone (with its store)" \
         "$work/node1.replacement.err" || fail "the replacement did not say whose place it took"
-      grep -q "node 0's agent is gone, and with it the store at node1:$port" "$work/node2.err" ||
-        fail "node2 did not say that node 0's agent and its store were gone"
+      if [[ $case_name == power_off_node0 ]]; then
+        store_silent
+        kill -KILL $frozen 2>/dev/null
+        wait "$old"
+      else
+        grep -q "node 0's agent is gone, and with it the store at node1:$port" "$work/node2.err" ||
+          fail "node2 did not say that node 0's agent and its store were gone"
+      fi
     else
       grep -q "takes the place of node 1's agent, which is gone" "$work/node2.replacement.err" ||
         fail "the replacement did not say whose place it took"
@@ -417,12 +474,7 @@ case $case_name in
     # next node's agent), and every rank resumed from memory (nothing read from the disk).
     grep -q "memory tier: rank(s) $new_ranks had no copy of their newest step on their node.*from its buddy" \
       "$work/$rank0.err" || fail "the replacement's ranks did not take their copies from their buddy"
-    grep -q "resumed from the memory copy of step" "$work/$rank0.err" ||
-      fail "the job did not resume from memory"
-    check_samples "$work/samples" 8192 3
-    got=$(checksum_of "$work/$rank0.out")
-    [[ $got == "$want" ]] || fail "checksum $got after the replacement, $want uninterrupted"
-    echo "replaced node$lost and resumed from memory: checksum $got, the uninterrupted run's"
+    ended_whole "$rank0" "after the replacement" "replaced node$lost and resumed from memory"
     ;;
   loopback_hostname)
     cluster_up 2 1gbit

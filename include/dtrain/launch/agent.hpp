@@ -108,17 +108,29 @@ class node_agent {
 
   void say(const std::string& text, bool verbose = false) const;
 
+  /// The options of this agent's connection to the job's store: the store's,
+  /// but on a node other than 0 a call waits for a reply at most the heartbeat
+  /// timeout (when DTRAIN_STORE_IO_TIMEOUT is longer). Node 0's agent beats its
+  /// heartbeat in that store, so a store silent that long is node 0's agent
+  /// frozen, or its host gone without closing its connections (store_lost()
+  /// then tells which), found as soon as a frozen node of another rank is.
+  store_options client_options() const;
   /// The store's options for one look at node 0's store (store_lost(),
   /// await_new_store()): 1 s to connect, no progress lines.
   store_options probe_options() const;
+  /// In a handler, for a failure of this agent (the exception handled): tells
+  /// the other nodes through `store` (unless gone), so that they end too, and
+  /// returns 128 + signal when a signal ended a wait, else rethrows it.
+  int fail(std::optional<detail::agent_store>& store, int restart);
   /// After `store` failed: whether node 0's store is gone (nothing answers at
   /// its address, or a new store does), not merely this call.
   bool store_lost(detail::agent_store& store) const;
-  /// Node 0's agent is gone with the store (`why`), in round `restart`: waits,
-  /// at most the store timeout, for a store at the same address (an agent that
-  /// takes node 0's place serves it). Returns 0 once one answers, 128 + signal
-  /// when a signal asks the agent to stop; throws timeout_error.
-  int await_new_store(const std::string& why, int restart, std::uint64_t known);
+  /// Node 0's agent is gone with the store (`why`; `silent`: it does not
+  /// answer), in round `restart`: waits, at most the store timeout, for a
+  /// store at the same address (an agent that takes node 0's place serves it;
+  /// or node 0's, awake again). Returns 0 once one answers, 128 + signal when
+  /// a signal asks the agent to stop; throws timeout_error.
+  int await_new_store(const std::string& why, bool silent, int restart, std::uint64_t known);
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.

@@ -119,7 +119,8 @@ struct agent_options {
   /// SIGTERM → SIGKILL delay when workers are stopped.
   /// Environment: DTRAIN_GRACE_PERIOD (seconds).
   std::chrono::milliseconds grace_period = default_grace_period;
-  /// A node whose agent is silent this long is lost: the others end the job.
+  /// A node whose agent is silent this long is lost (node 0's, whose store
+  /// does not answer a call this long, too): the others end the round.
   /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
   std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
   /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
