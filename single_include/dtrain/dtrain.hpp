@@ -30574,10 +30574,17 @@ class registry {
   /// path_of(name), checked: each file's size and checksum, and every entry
   /// against the registered ones; `where` names the copy in errors.
   /// `world_size`: this job's (sharded entries are re-cut from every rank's
-  /// part when the checkpoint's differs; other per-rank state cannot be).
+  /// part when the checkpoint's differs; other per-rank state cannot be;
+  /// `listed_parts`: from the rank parts `m` lists, which may be fewer, as
+  /// needs() chose them).
   [[nodiscard]] std::vector<std::filesystem::path> check(
       const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
-      const std::filesystem::path& where, int world_size) const;
+      const std::filesystem::path& where, int world_size, bool listed_parts = false) const;
+  /// Whether the saved rank part at `part` (of a job of another size) holds
+  /// any element of a sharded entry that this rank holds: a re-cut reads
+  /// none of a part that holds none. True when it cannot tell (load() then
+  /// says what is wrong with it).
+  [[nodiscard]] bool needs(const std::filesystem::path& part) const;
   /// Reads checked `files` into the entries (each sharded entry must get
   /// every element this rank holds), then runs the after_restore hooks.
   void load(const std::vector<std::filesystem::path>& files);
@@ -30835,7 +30842,7 @@ DTRAIN_DETAIL_INLINE std::string registry::describe(entry_kind kind, dtype type,
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
     const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
-    const std::filesystem::path& where, int world_size) const {
+    const std::filesystem::path& where, int world_size, bool listed_parts) const {
   std::vector<std::pair<std::string, checkpoint_scope>> wanted{
       {std::string(replicated_name), checkpoint_scope::replicated}};
   if (has_scope(checkpoint_scope::per_rank)) {
@@ -30852,8 +30859,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
                                std::to_string(world_size) + "; its per-rank state (" + names +
                                ") cannot be re-cut for another world size");
       }
-      for (int r = 0; r < m.world_size; ++r)
-        wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+      for (int r = 0; r < m.world_size; ++r) {
+        if (!listed_parts || m.find(rank_part_name(r)))
+          wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+      }
     } else {
       wanted.emplace_back(rank_part_name(rank_), checkpoint_scope::per_rank);
     }
@@ -30924,6 +30933,41 @@ DTRAIN_DETAIL_INLINE void registry::apply(const std::filesystem::path& path) {
       in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
     }
   });
+}
+
+DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
+  bool needed = false;
+  try {
+    static_cast<void>(read_part(part, [&](const entry_header& h, checked_reader& in) {
+      std::uint64_t left = h.bytes;
+      const auto it = std::ranges::find(entries_, h.name, &entry::name);
+      // A sharded payload: the whole's size, the number of ranges, the ranges
+      // (global index, count), then their values (sharded_payload()).
+      if (!needed && it != entries_.end() && it->kind == entry_kind::sharded && left >= 16) {
+        std::array<std::uint64_t, 2> head{};
+        in.read(head.data(), 16, "entry '" + h.name + "'");
+        left -= 16;
+        if (head[1] > left / 16) {
+          needed = true;  // not a sharded payload: load() says so
+        } else {
+          std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
+          in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
+          left -= 16 * head[1];
+          for (std::size_t r = 0; r < ranges.size() && !needed; r += 2) {
+            const std::uint64_t lo = ranges[r];
+            const std::uint64_t hi = lo + std::min(ranges[r + 1], UINT64_MAX - lo);
+            for (const shard_range& mine : it->ranges) {
+              if (std::max(lo, mine.global) < std::min(hi, mine.global + mine.count)) needed = true;
+            }
+          }
+        }
+      }
+      in.read(nullptr, left, "entry '" + h.name + "'");
+    }));
+  } catch (const std::exception&) {
+    return true;  // a damaged part: load() names it
+  }
+  return needed;
 }
 
 DTRAIN_DETAIL_INLINE void registry::recut(entry& e, std::string_view payload,
@@ -31961,9 +32005,10 @@ class memory_tier final : public tier {
   /// restore(), with sharded per-rank state, when no rank has a copy of this
   /// job's size: the newest step of the job before whose every rank's copy
   /// some rank reaches (on its node, or held by its node's agent for the
-  /// node before it) is sent, part by part, to every rank, which assembles
-  /// it in recut_dir_ for files() to re-cut. Every rank together.
-  recut_result recut(std::int64_t floor);
+  /// node before it) is sent, part by part, to every rank, which keeps the
+  /// replicated part and the rank parts its shards fall in (`entries`:
+  /// registry::needs()), in recut_dir_ for files() to re-cut. Every rank together.
+  recut_result recut(std::int64_t floor, const registry& entries);
 
   std::filesystem::path dir_;
   std::vector<int> node_;  // the ranks sharing dir_ (found at first use)
@@ -32807,7 +32852,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
     // No step whole on every rank in copies of this job's size (its size
     // changed, or a node replaced): the newest copies of any job, wherever
     // the ranks reach them, gathered and re-cut, as the disk's would be.
-    const recut_result gathered = recut(floor);
+    const recut_result gathered = recut(floor, entries);
     if (gathered.said) return gathered.step;
   }
   if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
@@ -33036,7 +33081,8 @@ DTRAIN_DETAIL_INLINE bool memory_tier::all_ok(bool mine) {
   return std::ranges::find(oks, 0) == oks.end();
 }
 
-DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t floor) {
+DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t floor,
+                                                                  const registry& entries) {
   const int rank = context_.plane.rank();
   const int size = context_.plane.size();
   const std::string fallback = "using " + context_.options.dir.string() + " instead";
@@ -33183,8 +33229,10 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     return {std::nullopt, true};
   }
   // 4. Every part from the lowest rank that reaches it, to every rank, which
-  // writes them all into one copy of its own (a sharded entry is re-cut
-  // from every rank's part, as from the disk's).
+  // writes them into one copy of its own (a sharded entry is re-cut from
+  // the old ranks' parts, as from the disk's): the replicated part, and the
+  // rank parts that hold some of its shards; it drops the others once read,
+  // so that it holds about (old ranks / new ranks + 1) of them, not all.
   const std::filesystem::path partial =
       dir_ / (step_name(step) + mine + std::string(partial_suffix));
   std::string problem;
@@ -33205,6 +33253,7 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   };
   manifest assembled{step, world, {}};
   std::uint64_t sent = 0;
+  std::uint64_t kept = 0;                      // of the rank parts' bytes
   for (int part = -1; part < world; ++part) {  // the replicated part first
     const std::string name = part < 0 ? std::string(replicated_name) : rank_part_name(part);
     const int root = holder(part < 0 ? world : part);
@@ -33226,9 +33275,15 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
                    " of " + which + " (its error says why): " + fallback);
       return {std::nullopt, true};
     }
+    sent += got.bytes;
+    if (part >= 0 && problem.empty() && !entries.needs(partial / name)) {
+      std::error_code ignored;
+      std::filesystem::remove(partial / name, ignored);
+      continue;
+    }
+    if (part >= 0) kept += got.bytes;
     got.name = name;
     assembled.files.push_back(got);
-    sent += got.bytes;
   }
   const std::filesystem::path copy = dir_ / (step_name(step) + mine);
   if (problem.empty()) {
@@ -33248,9 +33303,13 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     return {std::nullopt, true};
   }
   recut_dir_ = copy;
+  // (Said by rank 0, of what it kept: each rank keeps the parts its shards fall in.)
   context_.say("memory tier: no rank had a copy for a job of " + std::to_string(size) +
                " ranks: " + which + " gathered from the ranks that reach its copies (" +
-               std::to_string(sent) + " bytes to every rank), to be re-cut");
+               std::to_string(sent) + " bytes sent to every rank; rank 0 kept " +
+               std::to_string(assembled.files.size() - 1) + " of the " + std::to_string(world) +
+               " old ranks' parts, " + std::to_string(kept) +
+               " bytes, those its shards fall in), to be re-cut");
   return {step, true};
 }
 
@@ -33268,7 +33327,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
     if (m.step == step) {
       return entries.check(
           m, [&](const std::string& name) { return recut_dir_ / name; }, recut_dir_,
-          context_.plane.size());
+          context_.plane.size(), true);
     }
   }
   if (!entries.has_scope(checkpoint_scope::per_rank)) {

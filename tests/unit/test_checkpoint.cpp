@@ -1516,9 +1516,25 @@ TEST_CASE("checkpoint: sharded state is re-cut from memory when an elastic job's
   // Node 1 lost: a round of node 0's 2 ranks. Ranks 0, 1's copies are on
   // node 0, ranks 2, 3's at node 0's agent: every part is sent to both
   // ranks, which re-cut it; nothing is read on disk (it is damaged).
+  // The old ranks' parts that rank `rank` kept of its re-cut of `step` (in
+  // its node's memory directory): those its shard falls in, not all.
+  auto kept = [&](int rank, int step) {
+    const fs::path copy = memory.path / ("node" + std::to_string(rank / 2)) /
+                          ("step-" + std::to_string(step) + ".recut-" + std::to_string(rank));
+    std::vector<std::string> parts;
+    for (const auto& f : fs::directory_iterator(copy)) {
+      if (const std::string name = f.path().filename().string(); name.starts_with("rank-"))
+        parts.push_back(name);
+    }
+    std::ranges::sort(parts);
+    return parts;
+  };
+  using parts = std::vector<std::string>;
   fs::remove_all(memory.path / "node1");
   damage_disk();
   CHECK(run(2, 0, 0, {"", ""}, {at(holds_node1), ""}) == std::vector<std::int64_t>(2, 6));
+  CHECK(kept(0, 6) == parts{"rank-0.dtck", "rank-1.dtck"});  // elements 0..499
+  CHECK(kept(1, 6) == parts{"rank-2.dtck", "rank-3.dtck"});  // 500..1000
   // The round of 2 trains on (the disk is whole again at step 8); then node
   // 1 is back, empty, and a round of 4 re-cuts the 2 ranks' copies: of step
   // 8, for rank 1 was killed in its copy of step 9.
@@ -1529,6 +1545,10 @@ TEST_CASE("checkpoint: sharded state is re-cut from memory when an elastic job's
   damage_disk();
   CHECK(run(4, 0, 0, {at(holds_node0), at(holds_node1)}, {at(holds_node1), at(holds_node0)}) ==
         std::vector<std::int64_t>(4, 8));
+  for (int rank = 0; rank < 4; ++rank) {
+    CAPTURE(rank);  // a quarter of the whole is in one half
+    CHECK(kept(rank, 8) == parts{"rank-" + std::to_string(rank / 2) + ".dtck"});
+  }
   // Both nodes' copies gone: the disk's (whole again).
   fs::remove_all(disk.path);
   run(4, 1, 5, {at(holds_node0), at(holds_node1)}, {at(holds_node1), at(holds_node0)});

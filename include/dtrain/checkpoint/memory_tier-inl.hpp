@@ -813,7 +813,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
     // No step whole on every rank in copies of this job's size (its size
     // changed, or a node replaced): the newest copies of any job, wherever
     // the ranks reach them, gathered and re-cut, as the disk's would be.
-    const recut_result gathered = recut(floor);
+    const recut_result gathered = recut(floor, entries);
     if (gathered.said) return gathered.step;
   }
   if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
@@ -1042,7 +1042,8 @@ DTRAIN_DETAIL_INLINE bool memory_tier::all_ok(bool mine) {
   return std::ranges::find(oks, 0) == oks.end();
 }
 
-DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t floor) {
+DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t floor,
+                                                                  const registry& entries) {
   const int rank = context_.plane.rank();
   const int size = context_.plane.size();
   const std::string fallback = "using " + context_.options.dir.string() + " instead";
@@ -1189,8 +1190,10 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     return {std::nullopt, true};
   }
   // 4. Every part from the lowest rank that reaches it, to every rank, which
-  // writes them all into one copy of its own (a sharded entry is re-cut
-  // from every rank's part, as from the disk's).
+  // writes them into one copy of its own (a sharded entry is re-cut from
+  // the old ranks' parts, as from the disk's): the replicated part, and the
+  // rank parts that hold some of its shards; it drops the others once read,
+  // so that it holds about (old ranks / new ranks + 1) of them, not all.
   const std::filesystem::path partial =
       dir_ / (step_name(step) + mine + std::string(partial_suffix));
   std::string problem;
@@ -1211,6 +1214,7 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   };
   manifest assembled{step, world, {}};
   std::uint64_t sent = 0;
+  std::uint64_t kept = 0;                      // of the rank parts' bytes
   for (int part = -1; part < world; ++part) {  // the replicated part first
     const std::string name = part < 0 ? std::string(replicated_name) : rank_part_name(part);
     const int root = holder(part < 0 ? world : part);
@@ -1232,9 +1236,15 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
                    " of " + which + " (its error says why): " + fallback);
       return {std::nullopt, true};
     }
+    sent += got.bytes;
+    if (part >= 0 && problem.empty() && !entries.needs(partial / name)) {
+      std::error_code ignored;
+      std::filesystem::remove(partial / name, ignored);
+      continue;
+    }
+    if (part >= 0) kept += got.bytes;
     got.name = name;
     assembled.files.push_back(got);
-    sent += got.bytes;
   }
   const std::filesystem::path copy = dir_ / (step_name(step) + mine);
   if (problem.empty()) {
@@ -1254,9 +1264,13 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     return {std::nullopt, true};
   }
   recut_dir_ = copy;
+  // (Said by rank 0, of what it kept: each rank keeps the parts its shards fall in.)
   context_.say("memory tier: no rank had a copy for a job of " + std::to_string(size) +
                " ranks: " + which + " gathered from the ranks that reach its copies (" +
-               std::to_string(sent) + " bytes to every rank), to be re-cut");
+               std::to_string(sent) + " bytes sent to every rank; rank 0 kept " +
+               std::to_string(assembled.files.size() - 1) + " of the " + std::to_string(world) +
+               " old ranks' parts, " + std::to_string(kept) +
+               " bytes, those its shards fall in), to be re-cut");
   return {step, true};
 }
 
@@ -1274,7 +1288,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
     if (m.step == step) {
       return entries.check(
           m, [&](const std::string& name) { return recut_dir_ / name; }, recut_dir_,
-          context_.plane.size());
+          context_.plane.size(), true);
     }
   }
   if (!entries.has_scope(checkpoint_scope::per_rank)) {

@@ -226,9 +226,10 @@ class memory_tier final : public tier {
   /// restore(), with sharded per-rank state, when no rank has a copy of this
   /// job's size: the newest step of the job before whose every rank's copy
   /// some rank reaches (on its node, or held by its node's agent for the
-  /// node before it) is sent, part by part, to every rank, which assembles
-  /// it in recut_dir_ for files() to re-cut. Every rank together.
-  recut_result recut(std::int64_t floor);
+  /// node before it) is sent, part by part, to every rank, which keeps the
+  /// replicated part and the rank parts its shards fall in (`entries`:
+  /// registry::needs()), in recut_dir_ for files() to re-cut. Every rank together.
+  recut_result recut(std::int64_t floor, const registry& entries);
 
   std::filesystem::path dir_;
   std::vector<int> node_;  // the ranks sharing dir_ (found at first use)

@@ -209,7 +209,7 @@ DTRAIN_DETAIL_INLINE std::string registry::describe(entry_kind kind, dtype type,
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
     const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
-    const std::filesystem::path& where, int world_size) const {
+    const std::filesystem::path& where, int world_size, bool listed_parts) const {
   std::vector<std::pair<std::string, checkpoint_scope>> wanted{
       {std::string(replicated_name), checkpoint_scope::replicated}};
   if (has_scope(checkpoint_scope::per_rank)) {
@@ -226,8 +226,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
                                std::to_string(world_size) + "; its per-rank state (" + names +
                                ") cannot be re-cut for another world size");
       }
-      for (int r = 0; r < m.world_size; ++r)
-        wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+      for (int r = 0; r < m.world_size; ++r) {
+        if (!listed_parts || m.find(rank_part_name(r)))
+          wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+      }
     } else {
       wanted.emplace_back(rank_part_name(rank_), checkpoint_scope::per_rank);
     }
@@ -298,6 +300,41 @@ DTRAIN_DETAIL_INLINE void registry::apply(const std::filesystem::path& path) {
       in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
     }
   });
+}
+
+DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
+  bool needed = false;
+  try {
+    static_cast<void>(read_part(part, [&](const entry_header& h, checked_reader& in) {
+      std::uint64_t left = h.bytes;
+      const auto it = std::ranges::find(entries_, h.name, &entry::name);
+      // A sharded payload: the whole's size, the number of ranges, the ranges
+      // (global index, count), then their values (sharded_payload()).
+      if (!needed && it != entries_.end() && it->kind == entry_kind::sharded && left >= 16) {
+        std::array<std::uint64_t, 2> head{};
+        in.read(head.data(), 16, "entry '" + h.name + "'");
+        left -= 16;
+        if (head[1] > left / 16) {
+          needed = true;  // not a sharded payload: load() says so
+        } else {
+          std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
+          in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
+          left -= 16 * head[1];
+          for (std::size_t r = 0; r < ranges.size() && !needed; r += 2) {
+            const std::uint64_t lo = ranges[r];
+            const std::uint64_t hi = lo + std::min(ranges[r + 1], UINT64_MAX - lo);
+            for (const shard_range& mine : it->ranges) {
+              if (std::max(lo, mine.global) < std::min(hi, mine.global + mine.count)) needed = true;
+            }
+          }
+        }
+      }
+      in.read(nullptr, left, "entry '" + h.name + "'");
+    }));
+  } catch (const std::exception&) {
+    return true;  // a damaged part: load() names it
+  }
+  return needed;
 }
 
 DTRAIN_DETAIL_INLINE void registry::recut(entry& e, std::string_view payload,

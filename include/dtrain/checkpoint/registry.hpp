@@ -104,10 +104,17 @@ class registry {
   /// path_of(name), checked: each file's size and checksum, and every entry
   /// against the registered ones; `where` names the copy in errors.
   /// `world_size`: this job's (sharded entries are re-cut from every rank's
-  /// part when the checkpoint's differs; other per-rank state cannot be).
+  /// part when the checkpoint's differs; other per-rank state cannot be;
+  /// `listed_parts`: from the rank parts `m` lists, which may be fewer, as
+  /// needs() chose them).
   [[nodiscard]] std::vector<std::filesystem::path> check(
       const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
-      const std::filesystem::path& where, int world_size) const;
+      const std::filesystem::path& where, int world_size, bool listed_parts = false) const;
+  /// Whether the saved rank part at `part` (of a job of another size) holds
+  /// any element of a sharded entry that this rank holds: a re-cut reads
+  /// none of a part that holds none. True when it cannot tell (load() then
+  /// says what is wrong with it).
+  [[nodiscard]] bool needs(const std::filesystem::path& part) const;
   /// Reads checked `files` into the entries (each sharded entry must get
   /// every element this rank holds), then runs the after_restore hooks.
   void load(const std::vector<std::filesystem::path>& files);
