@@ -20,7 +20,11 @@
 #                    same with node 1's agent (node 0: it serves the store)
 #                    SIGKILLed and replaced: node 2's agent joins the new
 #                    node 0's store, its ranks' copies held by node 2's agent;
-#                    and that as an elastic job (--nnodes 1:2)
+#                    and that as an elastic job (--nnodes 1:2). And node 1's
+#                    host powered off (frozen whole and cut off: no connection
+#                    closed; DTRAIN_HEARTBEAT_TIMEOUT 2 s) and, once node 2
+#                    says so, a new host given its name and address, where
+#                    node 0's agent starts again
 #
 # each from the disk alone and with the memory tier every step (--memory-every 1),
 # and times, from the agents' and workers' output lines (stamped as they
@@ -77,10 +81,16 @@ measure() {
   local log=$1 samples=$2 killed=$3 before=$4 rank0=${5:-$1} first
   wait_until 60 new_round_started "$samples" "$before" || { echo "no step after the kill" >&2; return 1; }
   first=$(now_ms)
-  local detected started loaded
-  detected=$(first_after "$log" "$killed" "restarting every node|forming the next round|node 0's agent is gone, and with it the store")
-  started=$(first_after "$rank0" "${detected:-0}" "training a ")
-  loaded=$(first_after "$rank0" "${started:-0}" "dtrain checkpoint: resumed from")
+  local detected started loaded tries
+  # The logs' lines are stamped by a reader that may lag the sample log (a
+  # process per line): wait for them a little.
+  for ((tries = 0; tries < 500; ++tries)); do
+    detected=$(first_after "$log" "$killed" "restarting every node|forming the next round|node 0's agent is gone, and with it the store|node 0's store at .* does not answer")
+    started=$(first_after "$rank0" "${detected:-0}" "training a ")
+    loaded=$(first_after "$rank0" "${started:-0}" "dtrain checkpoint: resumed from")
+    [[ -n $detected && -n $started && -n $loaded ]] && break
+    sleep 0.01
+  done
   [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log / $rank0" >&2; return 1; }
   # The steps trained again (one change of round here: the killed round's
   # steps at or after the new round's first that it trained).
@@ -94,15 +104,23 @@ record() {  # <setup> <detect restart load first>
   results[$1]+="$2;"
 }
 
-# kill_and_measure <pid to kill> <log> <samples dir> <job to wait for> <setup>:
-# SIGKILLs the process, measures the recovery, waits for the job to succeed.
-# A 6th argument is a command run right after the kill (a replacement's start),
-# a 7th the log where rank 0 prints after it (measure).
+# kill_and_measure <victim> <log> <samples dir> <job to wait for> <setup>:
+# SIGKILLs the victim, a pid (or with "host:N", freezes node N's every process
+# and cuts its link: a host that lost its power; their pids in $frozen),
+# measures the recovery, waits for the job to succeed. A 6th argument is a
+# command run right after the kill (a replacement's start), a 7th the log
+# where rank 0 prints after it (measure).
 kill_and_measure() {
   local victim=$1 log=$2 samples=$3 job=$4 setup=$5 after=${6:-} rank0=${7:-} before killed row
   before=$(echo "$samples"/round-*-rank-0.txt)
   killed=$(now_ms)
-  kill -KILL "$victim"
+  if [[ $victim == host:* ]]; then
+    frozen=$(cluster_pids "node${victim#host:}" | xargs)
+    kill -STOP $frozen
+    cluster_cut_off "node${victim#host:}" || return 1
+  else
+    kill -KILL "$victim"
+  fi
   [[ -z $after ]] || $after
   row=$(measure "$log" "$samples" "$killed" "$before" "$rank0") || return 1
   wait "$job" || { echo "the job failed after the kill (see $log)" >&2; return 1; }
@@ -155,41 +173,57 @@ two_nodes() {  # <run> <tier> [ZeRO stage]
 
 # fixed_agent <dir> <n> <log suffix> <tier> [<nnodes>]: node n's agent (the demo)
 # of a job of 2 nodes (fixed unless <nnodes> says 1:2) with ZeRO stage 1 on the
-# simulated cluster.
+# simulated cluster; its heartbeat time-out $heartbeat s (default 10).
 fixed_agent() {
   local dir=$1 n=$2 suffix=$3 tier=$4 nnodes=${5:-2}
   # shellcheck disable=SC2046
   cluster_run node$n env DTRAIN_NNODES="$nnodes" DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
-    MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 2 --sharding 1 "${model[@]}" \
+    MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=1 DTRAIN_HEARTBEAT_TIMEOUT="${heartbeat:-10}" \
+    "$demo" --nproc-per-node 2 --sharding 1 "${model[@]}" \
     $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
     > >(stamp >"$dir/node$n$suffix.log") 2>&1 &
 }
 
 # replaced <run> <tier> <the node whose agent is killed: 2, or 1 (node 0, the store's)> [<nnodes>]
+# [power]: with `power`, node <lost>'s host loses its power instead (kill_and_measure's
+# host:N), and a new host takes its name and address before the replacement starts.
 replaced() {
-  local run=$1 tier=$2 lost=$3 nnodes=${4:-2} kept=1 rank0= kind=fixed
+  local run=$1 tier=$2 lost=$3 nnodes=${4:-2} how=${5:-kill} kept=1 rank0= kind=fixed
   ((lost == 1)) && kept=2
   [[ $nnodes == 2 ]] || kind="elastic $nnodes"
-  local dir=$work/replaced-$tier-$lost-$nnodes-$run
+  local dir=$work/replaced-$tier-$lost-$nnodes-$how-$run
   mkdir -p "$dir/samples"
   fixed_agent "$dir" $kept "" "$tier" "$nnodes"
   local survivor=$!
   fixed_agent "$dir" $lost "" "$tier" "$nnodes"
+  local lost_pid=$!
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
-  local victim
+  local victim what="agent SIGKILLed"
   victim=$(cluster_agent node$lost "$demo")
   [[ -n $victim ]] || { echo "no agent on node$lost" >&2; return 1; }
+  [[ $how == power ]] && victim=host:$lost what="host powered off"
   # shellcheck disable=SC2317  # run by kill_and_measure, right after the kill
   replacement() {
+    # A new host takes the name and address once node 2 found node 0's store
+    # silent (were it there at once, its kernel would refuse node 2's next
+    # packet, and the loss would be known as for a kill).
+    if [[ $how == power ]]; then
+      wait_until 60 grep -q "node 0's store at .* does not answer" "$dir/node$kept.log" &&
+        cluster_new_host node$lost || return 1
+    fi
     fixed_agent "$dir" $lost .replacement "$tier" "$nnodes"
     replacement_pid=$!
   }
   ((lost == 1)) && rank0=$dir/node1.replacement.log
   kill_and_measure "$victim" "$dir/node$kept.log" "$dir/samples" "$survivor" \
-    "2 nodes x 2 ($kind, ZeRO-1), node $lost's agent SIGKILLed and replaced, $tier" replacement \
+    "2 nodes x 2 ($kind, ZeRO-1), node $lost's $what and replaced, $tier" replacement \
     "$rank0" || return 1
   wait "$replacement_pid" ||
     { echo "the replacement failed (see $dir/node$lost.replacement.log)" >&2; return 1; }
+  if [[ $how == power ]]; then
+    kill -KILL $frozen 2>/dev/null
+    wait "$lost_pid" 2>/dev/null || true  # killed: 137
+  fi
 }
 
 echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"
@@ -211,6 +245,7 @@ else
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 2 || exit 1; done
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 1 || exit 1; done
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" 1 1:2 || exit 1; done
+    for ((r = 0; r < runs; ++r)); do heartbeat=2 replaced "$r" "$tier" 1 2 power || exit 1; done
   done
 fi
 
@@ -221,7 +256,8 @@ for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2
   "2 nodes x 2 (elastic 1:2, ZeRO-1), node 2's agent SIGKILLed" \
   "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced" \
   "2 nodes x 2 (fixed, ZeRO-1), node 1's agent SIGKILLed and replaced" \
-  "2 nodes x 2 (elastic 1:2, ZeRO-1), node 1's agent SIGKILLed and replaced"; do
+  "2 nodes x 2 (elastic 1:2, ZeRO-1), node 1's agent SIGKILLed and replaced" \
+  "2 nodes x 2 (fixed, ZeRO-1), node 1's host powered off and replaced"; do
   for tier in "${tiers[@]}"; do
     [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }
     IFS=';' read -r -a rows <<<"${results[$setup, $tier]}"

@@ -59,7 +59,7 @@
 #                      closed): node2's calls to the store get no reply within its
 #                      DTRAIN_HEARTBEAT_TIMEOUT (2 s); it finds nothing answering there, stops
 #                      its workers and waits; a new host takes node1's name and address
-#                      (cluster_replace_host), an agent started there serves a new store, and
+#                      (cluster_cut_off, cluster_new_host), an agent started there serves a new store, and
 #                      the job goes on from memory and ends with the uninterrupted run's
 #                      checksum
 #   freeze_node0       the same, node1 frozen whole (SIGSTOP) and woken (SIGCONT) once node2
