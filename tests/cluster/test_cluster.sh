@@ -363,13 +363,14 @@ case $case_name in
     # started again there takes its place.
     # rank0: where rank 0 prints, once the job is over; new_ranks: the lost node's.
     lost=2 kept=1 rank0=node1 new_ranks="2, 3"
-    [[ $case_name == replace_node0* || $case_name == *_node0 ]] &&
-      lost=1 kept=2 rank0=node1.replacement new_ranks="0, 1"
+    [[ $case_name == *_node0* ]] && lost=1 kept=2 rank0=node1.replacement new_ranks="0, 1"
     port=$((port + 1))
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
          --sample-log "$work/samples")
-    [[ $case_name == freeze_node* || $case_name == power_off_node0 ]] && heartbeat=2
+    # freezes: the lost node's host is frozen whole (its agent found silent), not its agent killed.
+    freezes=no
+    [[ $case_name == freeze_node* || $case_name == power_off_node0 ]] && freezes=yes heartbeat=2
     # ended_whole OUTPUT WHEN WHAT: the job resumed from memory (rank 0 prints in
     # $work/OUTPUT.err and .out), every sample trained once, at most one step twice,
     # and it ended with the uninterrupted run's checksum.
@@ -396,7 +397,7 @@ case $case_name in
     wait_for "step $at in the sample log" logged "$at"
     agent=$(cluster_agent node$lost "$bin/dtrain_train_mlp")
     [[ -n $agent ]] || fail "no agent found on node$lost"
-    if [[ $case_name == freeze_node* || $case_name == power_off_node0 ]]; then
+    if [[ $freezes == yes ]]; then
       frozen=$(cluster_pids node$lost | xargs)
       kill -STOP $frozen
       echo "froze node$lost (pids $frozen) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
