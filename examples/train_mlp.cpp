@@ -63,7 +63,7 @@ constexpr const char* own_synopsis =
     " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2|3]\n"
     "          [--precision fp32|bf16|fp16]\n"
     "          [--checkpoint-dir DIR [--checkpoint-every N]\n"
-    "           [--memory-every N [--memory-beside-step]]]\n"
+    "           [--memory-every N [--memory-budget X] [--memory-beside-step]]]\n"
     "          [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
@@ -82,6 +82,9 @@ constexpr const char* own_options =
     "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
     "                      worker restarted on its node resumes from there, and\n"
     "                      loses at most N steps; under dtrun) (0: never; 0)\n"
+    "  --memory-budget X   copy as often as keeps the copies within this share of\n"
+    "                      the step time (e.g. 0.03), at most every --memory-every\n"
+    "                      steps (checkpoint_options::memory_budget) (0: none)\n"
     "  --memory-beside-step  the memory copy reads the weights beside the next step's\n"
     "                      forward and backward, not in step() (checkpoint_options::\n"
     "                      memory_beside_step)\n"
@@ -95,6 +98,7 @@ struct demo_settings {
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
   std::uint64_t memory_every = 0;
+  double memory_budget = 0;
   bool memory_beside_step = false;
   std::string sample_log;
   mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
@@ -117,6 +121,11 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--memory-every") {
       d.memory_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
+    if (flag == "--memory-budget") {
+      d.memory_budget = line.number<double>(flag, value(), 0.0);
+      if (!(d.memory_budget < 1)) line.bad_flag("--memory-budget: a share below 1, e.g. 0.03");
       return true;
     }
     if (flag == "--memory-beside-step") {
@@ -169,6 +178,11 @@ demo_settings parse_flags(int argc, char** argv) {
   if (d.memory_every > 0 && d.checkpoint_dir.empty()) {
     line.bad_flag("--memory-every " + std::to_string(d.memory_every) +
                   " needs a --checkpoint-dir (the disk tier, its fallback)");
+  }
+  if (d.memory_budget > 0 && d.memory_every < 3) {
+    line.bad_flag(
+        "--memory-budget needs --memory-every N, N at least 3: the most steps "
+        "between copies");
   }
   if (d.memory_beside_step && d.memory_every == 0) {
     line.bad_flag("--memory-beside-step needs --memory-every N (a memory copy to read)");
@@ -315,6 +329,7 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
                                                        .every = d.checkpoint_every,
                                                        .memory_every = d.memory_every,
+                                                       .memory_budget = d.memory_budget,
                                                        .memory_beside_step = d.memory_beside_step});
     if (d.sharding == dtrain::sharding::parameters) {
       // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
@@ -445,6 +460,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     const std::size_t values = stage3 ? ddp.memory_use().values : ddp.model_elements() * sizeof(T);
     std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n",
                 optimizer.state_bytes(), values);
+    if (checkpoint && d.memory_budget > 0) {
+      std::printf("memory copies every %llu steps at the end (--memory-budget %g)\n",
+                  static_cast<unsigned long long>(checkpoint->memory_interval()), d.memory_budget);
+    }
     std::fflush(stdout);
   }
   // Same data-parallel steps from the same start: the weights must be bit-identical

@@ -29377,8 +29377,9 @@ struct checkpoint_options {
   /// 0: automatic, the machine's cores per local rank when built from a
   /// dtrain::context (at most 8), else 1.
   int copy_threads = 0;
-  /// The memory tier: step() also saves every `memory_every`-th step into
-  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// The memory tier: step() also saves every `memory_every`-th step (with
+  /// `memory_budget`, as often as that allows) into `memory_dir`, memory
+  /// that outlives this process but not its node. A
   /// worker restarted on the node resumes from there when that copy is at
   /// least as new as the newest on disk (no read of `dir`); the disk stays
   /// the fallback and the tier for whole-job restarts. Each rank writes and
@@ -29393,6 +29394,22 @@ struct checkpoint_options {
   /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
   /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
+  /// The memory tier's share of the step time, e.g. 0.03 (0: none). With a
+  /// budget, `memory_every` is the most steps between copies (what a failure
+  /// may cost), and the copies come as often as keeps their cost within it:
+  /// 50 steps after the start, and then as far apart as keeps this agreement
+  /// within a tenth of the budget (at most 10000 steps), the ranks agree on
+  /// the fewest steps between copies whose cost, measured on the costliest
+  /// rank (each step's time, between two step() calls, with a copy and
+  /// without), is at most this share of a step's. Rank 0 says what it chose,
+  /// and again when it moves more than 2x (checkpoint::memory_interval()
+  /// tells it too). A small state on short steps is copied every few dozen
+  /// steps instead of every step; a large one on long steps (a GPU's) every
+  /// step. It starts at 10 steps (`memory_every` when smaller), again after
+  /// each restore(). Needs memory_every of at least 3 (a step between copies
+  /// and one after it, to measure a step without a copy); the same on every
+  /// rank. The steps saved to disk, and those after them, are not measured.
+  double memory_budget = 0;
   /// The memory tier's copy costs the training thread next to nothing:
   /// step() copies only the values under 64 KiB (a counter, an RNG's state),
   /// the sampler, byte entries and shards, and a thread reads the larger
@@ -31780,6 +31797,296 @@ DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
 // ---- end dtrain/checkpoint/disk_tier-inl.hpp ----
 #endif
 // ---- end dtrain/checkpoint/disk_tier.hpp ----
+// ---- begin dtrain/checkpoint/interval.hpp ----
+/// @file
+/// How often the memory tier copies (checkpoint_options::memory_every and
+/// memory_budget). With a budget, the ranks measure what a copy costs the
+/// training (each step's time, between two step() calls, with a copy and
+/// without) and agree every few steps on the fewest steps between copies
+/// that keep that cost within the budget, at most memory_every: the same
+/// interval on every rank, so that every rank copies the same steps.
+
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+class memory_interval {
+ public:
+  using clock = std::chrono::steady_clock;
+  /// The fewest and the most steps between two agreements of a budget: the
+  /// first comes `window` steps after the start (or a restore), the next as
+  /// many steps later as keep an agreement's own cost (an allgather) within a
+  /// tenth of the budget, at most `max_window`.
+  static constexpr std::uint64_t window = 50, max_window = 10000;
+  /// With a budget, the steps between copies until the first agreement (the
+  /// bound when smaller): a few copies, and steps between them, to measure.
+  static constexpr std::uint64_t first_every = 10;
+  /// The first copies after a start or a restore make the files that the
+  /// later ones write over: not measured.
+  static constexpr int warm_up = 2;
+  /// What a copy costs is the mean of the copies measured, the older ones
+  /// weighing at most as much as this many.
+  static constexpr int history_copies = 10;
+  /// Numbers per rank in an agreement (pack()).
+  static constexpr std::size_t packed = 5;
+
+  /// `bound`: checkpoint_options::memory_every (0: no copies); `budget`:
+  /// memory_budget (0: a copy every `bound` steps, always).
+  memory_interval(std::uint64_t bound, double budget);
+
+  /// Whether step `n` (step()'s count) copies into memory.
+  [[nodiscard]] bool due(std::uint64_t n) const noexcept { return every_ > 0 && n % every_ == 0; }
+  /// The steps between copies now (0: no copies).
+  [[nodiscard]] std::uint64_t every() const noexcept { return every_; }
+  [[nodiscard]] bool automatic() const noexcept { return budget_ppm_ > 0; }
+
+  /// At the end of each step(), once its copy and its save (if any) are
+  /// done: `copied` into memory at this step. The step's time is the time
+  /// since the last call.
+  void record(bool copied, clock::time_point now = clock::now());
+  /// The next step's time is not a training step's alone (a save to disk, a
+  /// save_to_memory() called by the program, an agreement): it is left out,
+  /// and so is the step after it.
+  void disturb() noexcept { disturbed_ = true; }
+  /// After a restore of step `n`: the interval starts again (first_every,
+  /// or the bound without a budget), and nothing measured before counts.
+  void reset(std::uint64_t n);
+
+  /// Whether the ranks agree at step `n` (the same answer on every rank).
+  [[nodiscard]] bool agreement_due(std::uint64_t n) const noexcept {
+    return automatic() && n >= next_agreement_;
+  }
+  /// The last agreement took `ns` on this rank (pack() says so).
+  void agreed(std::int64_t ns) noexcept { agreement_ns_ = ns; }
+  /// This rank's figures of the steps since the last agreement: what a copy
+  /// costs and a step without one takes (ns; -1: unknown), what the last
+  /// agreement took (ns; 0: none yet), the budget and the bound (which every
+  /// rank must share).
+  [[nodiscard]] std::vector<std::int64_t> pack();
+  /// The step of the next agreement.
+  [[nodiscard]] std::uint64_t next_agreement() const noexcept { return next_agreement_; }
+  /// Every rank's pack(), in rank order, at step `n`: the interval becomes
+  /// the fewest steps whose copy costs at most the budget on the costliest
+  /// rank, within 1 and the bound (unchanged while no rank knows its
+  /// figures), and the next agreement is set. Returns the
+  /// line rank 0 says: the first choice, and each that moves more than 2x
+  /// from the last said. Throws config_error, naming the ranks, when they
+  /// were given other budgets or bounds.
+  std::optional<std::string> adopt(std::span<const std::int64_t> all, int rank, std::uint64_t n);
+
+ private:
+  std::uint64_t bound_;
+  std::int64_t budget_ppm_;  // the budget in millionths (integers: alike on every rank)
+  std::uint64_t every_;
+  std::uint64_t said_ = 0;  // the interval said last (0: none yet)
+  std::uint64_t next_agreement_ = window;
+  std::int64_t agreement_ns_ = 0;  // the last agreement's time on this rank
+  std::optional<clock::time_point> last_;
+  bool disturbed_ = false;              // this step is not a training step's alone
+  bool after_disturbed_ = false;        // the last one was not
+  std::int64_t copy_ns_pending_ = -1;   // the last step copied: its time (else -1)
+  int warm_copies_ = 0;                 // copies since the start (at most warm_up)
+  std::vector<std::int64_t> clean_ns_;  // steps with no copy in them or just before
+  std::vector<std::int64_t> copy_ns_;   // steps with a copy
+  std::vector<std::int64_t> after_ns_;  // steps after one (that do not copy)
+  std::int64_t baseline_ns_ = -1;       // a step without a copy (median), as last measured
+  std::int64_t cost_ns_ = -1;           // what a copy adds, as measured so far
+  double cost_weight_ = 0;              // the copies cost_ns_ stands for (at most history_copies)
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/interval-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/interval.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/interval.hpp, not this file.
+
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <utility>
+
+namespace dtrain::detail::ckpt {
+
+namespace interval_detail {
+/// `ns` in milliseconds, as "0.42 ms".
+inline std::string ms_text(std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f ms", static_cast<double>(ns) / 1e6);
+  return text;
+}
+/// The median of `ns` (not empty; reordered).
+inline std::int64_t median(std::vector<std::int64_t>& ns) {
+  auto middle = ns.begin() + static_cast<std::ptrdiff_t>(ns.size() / 2);
+  std::nth_element(ns.begin(), middle, ns.end());
+  return *middle;
+}
+/// The mean of `ns` (not empty).
+inline std::int64_t mean(const std::vector<std::int64_t>& ns) {
+  std::int64_t sum = 0;
+  for (const std::int64_t n : ns) sum += n;
+  return sum / static_cast<std::int64_t>(ns.size());
+}
+/// A share in millionths, as "3%" or "0.5%".
+inline std::string percent_text(std::int64_t ppm) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g%%", static_cast<double>(ppm) / 1e4);
+  return text;
+}
+}  // namespace interval_detail
+
+DTRAIN_DETAIL_INLINE memory_interval::memory_interval(std::uint64_t bound, double budget)
+    : bound_(bound),
+      budget_ppm_(budget > 0 ? std::max<std::int64_t>(1, std::llround(budget * 1e6)) : 0),
+      every_(budget_ppm_ > 0 ? std::min(bound, first_every) : bound) {}
+
+DTRAIN_DETAIL_INLINE void memory_interval::record(bool copied, clock::time_point now) {
+  if (!automatic()) return;
+  const bool disturbed = std::exchange(disturbed_, false);
+  if (last_) {
+    const std::int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - *last_).count();
+    const bool measured = !disturbed && !after_disturbed_;  // a training step's time alone
+    if (copy_ns_pending_ >= 0) {
+      // The last step copied: this one holds what its write left (a thread
+      // beside it), unless it copies too (then this copy's step holds it).
+      if (measured && warm_copies_ >= warm_up) {
+        copy_ns_.push_back(copy_ns_pending_);
+        if (!copied) after_ns_.push_back(ns);
+      }
+      warm_copies_ = std::min(warm_copies_ + 1, warm_up);
+      copy_ns_pending_ = -1;
+    } else if (measured && !copied) {
+      clean_ns_.push_back(ns);
+    }
+    if (measured && copied) copy_ns_pending_ = ns;
+  }
+  last_ = now;
+  after_disturbed_ = disturbed;
+}
+
+DTRAIN_DETAIL_INLINE void memory_interval::reset(std::uint64_t n) {
+  every_ = automatic() ? std::min(bound_, first_every) : bound_;
+  next_agreement_ = n + window;
+  agreement_ns_ = 0;
+  last_.reset();
+  disturbed_ = after_disturbed_ = false;
+  copy_ns_pending_ = -1;
+  warm_copies_ = 0;
+  clean_ns_.clear();
+  copy_ns_.clear();
+  after_ns_.clear();
+  baseline_ns_ = cost_ns_ = -1;
+  cost_weight_ = 0;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::int64_t> memory_interval::pack() {
+  // A step without a copy is their median; the steps with one are taken at
+  // their mean: a copy that is slow now and then (a page fault) costs the
+  // training what the mean says. A step slowed by the host (another
+  // process) then counts against the copies when it is one of theirs, and
+  // not at all otherwise: the interval errs on the side of the budget, and a
+  // slow step among those without a copy cannot make copies look free.
+  if (!clean_ns_.empty()) baseline_ns_ = interval_detail::median(clean_ns_);
+  if (!copy_ns_.empty() && baseline_ns_ > 0) {
+    // The mean step with a copy, and the mean step after one, each against
+    // a step without.
+    std::int64_t extra = interval_detail::mean(copy_ns_) - baseline_ns_;
+    if (!after_ns_.empty()) extra += interval_detail::mean(after_ns_) - baseline_ns_;
+    // This window's copies, averaged with the last ones' (at most as many as
+    // history_copies weigh): a copy slowed once moves the interval little.
+    const double cost = std::max(0.0, static_cast<double>(extra));
+    const double weight = static_cast<double>(copy_ns_.size());
+    const double mean = cost_ns_ < 0
+                            ? cost
+                            : (static_cast<double>(cost_ns_) * cost_weight_ + cost * weight) /
+                                  (cost_weight_ + weight);
+    cost_ns_ = std::llround(mean);
+    cost_weight_ = std::min(cost_weight_ + weight, static_cast<double>(history_copies));
+  }
+  clean_ns_.clear();
+  copy_ns_.clear();
+  after_ns_.clear();
+  return {cost_ns_, baseline_ns_, agreement_ns_, budget_ppm_, static_cast<std::int64_t>(bound_)};
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> memory_interval::adopt(
+    std::span<const std::int64_t> all, int rank, std::uint64_t n) {
+  const std::size_t ranks = all.size() / packed;
+  // Decided from the same numbers on every rank, in integers: the same interval.
+  bool known = false;
+  std::int64_t want = 1, cost = 0, baseline = 0;
+  std::uint64_t apart = window;  // steps to the next agreement
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const std::int64_t* at = all.data() + r * packed;
+    if (at[3] != budget_ppm_ || at[4] != static_cast<std::int64_t>(bound_)) {
+      throw config_error("checkpoint on rank " + std::to_string(rank) +
+                         ": the ranks disagree on the memory tier's options: here memory_every " +
+                         std::to_string(bound_) + " and memory_budget " +
+                         interval_detail::percent_text(budget_ppm_) + ", on rank " +
+                         std::to_string(r) + " memory_every " + std::to_string(at[4]) +
+                         " and memory_budget " + interval_detail::percent_text(at[3]) +
+                         " (every rank copies the same steps: give every rank the same options)");
+    }
+    if (at[1] <= 0) continue;
+    // An agreement costs at most a tenth of the budget: as many steps apart.
+    const double steps_apart =
+        std::ceil(static_cast<double>(at[2]) * 1e7 /
+                  (static_cast<double>(budget_ppm_) * static_cast<double>(at[1])));
+    if (steps_apart > static_cast<double>(apart))
+      apart = steps_apart >= static_cast<double>(max_window)
+                  ? max_window
+                  : static_cast<std::uint64_t>(steps_apart);
+    if (at[0] < 0) continue;
+    known = true;
+    // The fewest steps k with cost <= budget * k * baseline.
+    const double steps = std::ceil(static_cast<double>(at[0]) * 1e6 /
+                                   (static_cast<double>(budget_ppm_) * static_cast<double>(at[1])));
+    const std::int64_t k = steps >= static_cast<double>(bound_)
+                               ? static_cast<std::int64_t>(bound_)
+                               : std::max<std::int64_t>(1, static_cast<std::int64_t>(steps));
+    if (k >= want) {
+      want = k;
+      cost = at[0];
+      baseline = at[1];
+    }
+  }
+  next_agreement_ = n + apart;
+  if (!known) return std::nullopt;
+  every_ = static_cast<std::uint64_t>(
+      std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(bound_)));
+  if (said_ != 0 && every_ * 2 > said_ && every_ < said_ * 2) return std::nullopt;
+  said_ = every_;
+  const std::int64_t share_ppm =
+      baseline > 0 ? cost * 1000000 / (static_cast<std::int64_t>(every_) * baseline) : 0;
+  std::string line = "memory tier: a copy every " + std::to_string(every_) +
+                     (every_ == 1 ? " step" : " steps") + " (a copy costs " +
+                     interval_detail::ms_text(cost) + ", a step without one takes " +
+                     interval_detail::ms_text(baseline) + ": " +
+                     interval_detail::percent_text(share_ppm) + " of the steps";
+  if (share_ppm > budget_ppm_) {
+    line += ", over memory_budget's " + interval_detail::percent_text(budget_ppm_) +
+            ": memory_every " + std::to_string(bound_) + " is the most steps between copies";
+  } else {
+    line += "; memory_budget " + interval_detail::percent_text(budget_ppm_);
+  }
+  return line + "); a failure costs at most " + std::to_string(every_) +
+         (every_ == 1 ? " step" : " steps");
+}
+
+}  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/interval-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/interval.hpp ----
 // ---- begin dtrain/checkpoint/memory_tier.hpp ----
 /// @file
 /// The memory tier (checkpoint_options::memory_every): copies in a directory
@@ -33538,7 +33845,9 @@ class checkpoint {
   std::optional<std::uint64_t> restore();
 
   /// Counts a finished training step; saves when `every` divides the count,
-  /// into memory when `memory_every` does. Returns whether it saved to disk.
+  /// into memory when memory_interval() does (with memory_budget, every 50
+  /// steps it is agreed again, on every rank together). Returns whether it
+  /// saved to disk.
   /// With checkpoint_options::memory_beside_step, throws config_error (and
   /// drops that copy) when the step before began a memory copy and no
   /// before_update() came since.
@@ -33563,6 +33872,12 @@ class checkpoint {
   /// Where the memory tier keeps this node's copies (empty: none).
   [[nodiscard]] std::filesystem::path memory_dir() const {
     return memory_ ? memory_->dir() : std::filesystem::path();
+  }
+  /// The steps between memory copies now: memory_every, or with
+  /// memory_budget what the ranks last agreed on (the same on every rank);
+  /// 0: no memory copies.
+  [[nodiscard]] std::uint64_t memory_interval() const noexcept {
+    return memory_ ? interval_.every() : 0;
   }
   /// This rank's memory copies that could not be written (the first is said on stderr).
   [[nodiscard]] std::uint64_t memory_failures() const noexcept {
@@ -33634,6 +33949,8 @@ class checkpoint {
   // memory_beside_step: a memory copy began at the last step, and no
   // before_update() (or wait()) came since.
   bool word_due_ = false;
+  // When step() copies into memory (memory_every, memory_budget).
+  detail::ckpt::memory_interval interval_;
   detail::ckpt::disk_tier disk_;
   std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };
@@ -33662,6 +33979,7 @@ DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint
 DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpoint_options options)
     : context_{plane, std::move(options), {}},
       entries_(plane.rank(), std::max(1, context_.options.copy_threads)),
+      interval_(context_.options.memory_every, context_.options.memory_budget),
       disk_(context_) {
   const checkpoint_options& o = context_.options;
   if (o.dir.empty()) {
@@ -33683,6 +34001,19 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::memory_beside_step is set and memory_every is 0: "
                        "there is no memory copy to read beside the step (set memory_every)");
+  }
+  if (!(o.memory_budget >= 0 && o.memory_budget < 1)) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_budget is " + std::to_string(o.memory_budget) +
+                       "; a share of the step time, at least 0 (none) and below 1 (e.g. 0.03)");
+  }
+  if (o.memory_budget > 0 && o.memory_every < 3) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_budget is set and memory_every is " +
+                       std::to_string(o.memory_every) +
+                       ": the budget chooses between 1 and memory_every steps between copies, "
+                       "and memory_every must be at least 3 (a step between copies, and one "
+                       "after it, to measure a step without a copy)");
   }
   const environment env = environment::from_process();
   // The memory tier's places: an option, else the variable dtrun's agent sets.
@@ -33794,6 +34125,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
     if (const std::int64_t on_disk = disk_.newest_by_name(); on_disk != -2) {
       if (const auto step = memory_->newest(on_disk, entries_)) {
         load(*memory_, *step);
+        interval_.reset(*step);
         return step;
       }
     }  // else the disk's own look below says why it cannot be read
@@ -33802,9 +34134,11 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   if (!step) {
     context_.say("no checkpoint in " + context_.options.dir.string() +
                  ": starting from the beginning");
+    interval_.reset(static_cast<std::uint64_t>(steps_));
     return std::nullopt;
   }
   load(disk_, *step);
+  interval_.reset(*step);
   return step;
 }
 
@@ -33860,7 +34194,8 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
   const bool to_disk = context_.options.every > 0 && n % context_.options.every == 0;
-  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) {
+  const bool copies = interval_.due(n);
+  if (copies) {
     // A step saved to disk synchronously writes its memory copy within
     // step() too, not beside the next step, and before the disk's: a rank
     // killed during the disk's save, or in the next step, leaves that copy
@@ -33868,11 +34203,23 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
     copy_to_memory(context_.options.memory_beside_step &&
                    !(to_disk && !context_.options.asynchronous));
   }
-  if (to_disk) {
-    save();
-    return true;
+  if (to_disk) save();  // (the interval leaves this step out: save() disturbs it)
+  if (interval_.automatic()) {
+    interval_.record(copies);
+    if (interval_.agreement_due(n)) {
+      // Every rank's figures, and from them the same interval everywhere.
+      const auto start = std::chrono::steady_clock::now();
+      const std::vector<std::int64_t> mine = interval_.pack();
+      std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
+      context_.plane.allgather(mine, all);
+      if (const auto line = interval_.adopt(all, context_.plane.rank(), n)) context_.say(*line);
+      interval_.agreed(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count());
+      interval_.disturb();  // the agreement's time falls in the next step
+    }
   }
-  return false;
+  return to_disk;
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
@@ -33920,6 +34267,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  interval_.disturb();  // a copy the program asked for: not one step() measures
   copy_to_memory(context_.options.memory_beside_step);
 }
 
@@ -33945,6 +34293,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::copy_to_memory(bool beside) {
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
+  interval_.disturb();  // the memory tier's interval does not measure this step
   const auto start = std::chrono::steady_clock::now();
   ++context_.timings.saves;
   // What the training thread spends here, whatever way it leaves.

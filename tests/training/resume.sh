@@ -28,6 +28,12 @@
 #                while the others finished the step. A kill during a disk
 #                save, or in the step after it, resumes from memory too (that
 #                step() writes the copy itself, first).
+#   kill_worker_memory_budget  kill_worker_memory with --memory-every 30
+#                --memory-budget 0.03: the ranks agree on the steps between
+#                copies (rank 0 says how many, the demo's last line says it
+#                again), the restarted workers resume from the newest copy, in
+#                memory or (when it is older) on disk, at most 30 steps are
+#                trained twice, and the checksum is the uninterrupted run's.
 #   kill_in_save the same, with the kill as soon as a save is seen in progress
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
@@ -196,24 +202,36 @@ case $case_name in
     echo "resumed past the damaged $newest: checksum $got, bit-identical"
     ;;
 
-  kill_worker_memory | kill_worker_memory_beside)
+  kill_worker_memory | kill_worker_memory_beside | kill_worker_memory_budget)
     cmd=("$train" --nproc-per-node 4 "${model[@]}")
     want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
     echo "uninterrupted: checksum $want"
     dir="$work/ckpt"
     mkdir "$work/samples"
-    beside=()
-    [[ $case_name == kill_worker_memory_beside ]] && beside=(--memory-beside-step)
-    DTRAIN_MAX_RESTARTS=1 "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 --memory-every 1 \
-      "${beside[@]}" --sample-log "$work/samples" >"$work/killed.log" 2>&1 &
+    memory=(--memory-every 1)
+    [[ $case_name == kill_worker_memory_beside ]] && memory+=(--memory-beside-step)
+    [[ $case_name == kill_worker_memory_budget ]] && memory=(--memory-every 30 --memory-budget 0.03)
+    DTRAIN_MAX_RESTARTS=1 "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 "${memory[@]}" \
+      --sample-log "$work/samples" >"$work/killed.log" 2>&1 &
     agent=$!
     kill_worker_after "$dir" "$agent" random 20
     wait "$agent"
     status=$?
     grep -E "restarting|resumed|memory|checksum|Error|error" "$work/killed.log"
     ((status == 0)) || { cat "$work/killed.log"; fail "the killed job exited $status"; }
-    grep -q "resumed from the memory copy of step [0-9]* in /.* (nothing read from $dir)" \
-      "$work/killed.log" || fail "the restarted workers did not resume from their memory copy"
+    if [[ $case_name == kill_worker_memory_budget ]]; then
+      # The newest copy, wherever it is: one in memory older than the disk's is not used.
+      grep -qE "resumed from (the memory copy of step [0-9]* in /.* \(nothing read from $dir\)|$dir/step-)" \
+        "$work/killed.log" || fail "the restarted workers did not resume"
+      grep -q "memory tier: a copy every [0-9]* steps* (a copy costs .*memory_budget" \
+        "$work/killed.log" || fail "rank 0 did not say the steps between copies it agreed on"
+      interval=$(sed -n 's/^memory copies every \([0-9]*\) steps at the end.*/\1/p' "$work/killed.log")
+      echo "memory copies every ${interval:-?} steps at the end"
+      ((${interval:-0} >= 1 && interval <= 30)) || fail "the steps between copies are '$interval', not 1 to 30"
+    else
+      grep -q "resumed from the memory copy of step [0-9]* in /.* (nothing read from $dir)" \
+        "$work/killed.log" || fail "the restarted workers did not resume from their memory copy"
+    fi
     got=$(checksum_of "$work/killed.log")
     [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"
     echo "resumed from memory after the kill: checksum $got, bit-identical"
@@ -224,6 +242,7 @@ case $case_name in
       fail "could not count the steps trained twice in $work/samples"
     echo "steps trained twice: $again"
     allowed=1
+    [[ $case_name == kill_worker_memory_budget ]] && allowed=30  # --memory-every: the most between copies
     if [[ $case_name == kill_worker_memory_beside ]]; then
       allowed=2  # the killed rank's copy, read beside the next step, may be lost (the comment at the top)
       echo "copies read beside the step: the killed rank's may be lost, 2 steps allowed"

@@ -163,7 +163,7 @@ endif()
 find_program(DTRAIN_BASH bash)
 if(TARGET dtrain_train_mlp AND DTRAIN_BASH)
   foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_worker_memory_beside
-                       kill_in_save disk_full memory_full)
+                       kill_worker_memory_budget kill_in_save disk_full memory_full)
     dtrain_add_test(training.resume.${case}
       COMMAND "${DTRAIN_BASH}" "${training_dir}/resume.sh" ${case} "$<TARGET_FILE:dtrain_train_mlp>"
       TIMEOUT 180
@@ -171,7 +171,7 @@ if(TARGET dtrain_train_mlp AND DTRAIN_BASH)
   endforeach()
 else()
   foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_worker_memory_beside
-                       kill_in_save disk_full memory_full)
+                       kill_worker_memory_budget kill_in_save disk_full memory_full)
     dtrain_add_skipped_test(training.resume.${case}
       "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
   endforeach()

@@ -1768,3 +1768,251 @@ TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the 
   for (const auto& f : failures) CHECK(f == "");
   CHECK(fs::exists(disk.path / "step-4" / "MANIFEST"));  // the disk tier is untouched
 }
+
+TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy fits the budget") {
+  using clock = ckpt::memory_interval::clock;
+  // Steps of 1 ms; a step with a copy 1.3 ms and the one after it 1.1 ms: a
+  // copy costs 0.4 ms, so a 5% budget needs 8 steps between copies.
+  auto run = [](ckpt::memory_interval& interval, std::uint64_t from, std::uint64_t to,
+                clock::time_point& now, std::chrono::microseconds copy_extra,
+                std::chrono::microseconds after_extra) {
+    bool copied_before = false;
+    for (std::uint64_t n = from; n <= to; ++n) {
+      const bool copies = interval.due(n);
+      now += 1000us + (copies ? copy_extra : 0us) + (copied_before ? after_extra : 0us);
+      interval.record(copies, now);
+      copied_before = copies;
+    }
+  };
+  clock::time_point now{};
+  ckpt::memory_interval interval(20, 0.05);
+  CHECK(interval.automatic());
+  CHECK(interval.every() == 10);  // first_every, to measure
+  CHECK(interval.due(10));
+  CHECK_FALSE(interval.due(15));
+  run(interval, 1, 50, now, 300us, 100us);
+  CHECK(interval.agreement_due(50));
+  CHECK_FALSE(interval.agreement_due(49));
+  std::vector<std::int64_t> mine = interval.pack();
+  REQUIRE(mine.size() == ckpt::memory_interval::packed);
+  CHECK(mine[1] == 1'000'000);  // a step without a copy (the median)
+  CHECK(mine[0] == 400'000);    // what a copy adds: its step's and the next's
+  CHECK(mine[2] == 0);          // no agreement yet
+  CHECK(mine[3] == 50'000);     // the budget in millionths
+  CHECK(mine[4] == 20);
+  SUBCASE("one rank") {
+    const auto line = interval.adopt(mine, 0, 50);
+    CHECK(interval.every() == 8);
+    CHECK(interval.next_agreement() == 100);
+    REQUIRE(line.has_value());
+    CHECK(line->find("a copy every 8 steps") != std::string::npos);
+    CHECK(line->find("a copy costs 0.40 ms, a step without one takes 1.00 ms") !=
+          std::string::npos);
+    CHECK(line->find("memory_budget 5%") != std::string::npos);
+    // One copy slowed 10x (the host was busy) moves the interval little: the
+    // copies before it weigh too.
+    run(interval, 51, 57, now, 300us, 100us);
+    run(interval, 58, 65, now, 3000us, 1000us);  // the copy of step 64
+    run(interval, 66, 150, now, 300us, 100us);
+    CHECK_FALSE(interval.adopt(interval.pack(), 0, 150).has_value());
+    CHECK(interval.every() > 8);
+    CHECK(interval.every() < 16);
+    // Copies 5x cheaper from now on: within a few windows every 2 steps, said
+    // once it moved more than 2x.
+    std::vector<std::string> said;
+    for (std::uint64_t from = 151; from < 451; from += 50) {
+      run(interval, from, from + 49, now, 60us, 20us);
+      if (const auto line = interval.adopt(interval.pack(), 0, from + 49)) said.push_back(*line);
+    }
+    CHECK(interval.every() == 2);
+    CHECK(!said.empty());  // 8 -> 3 or 2: said; then 3 -> 2 is not more than 2x
+    CHECK(said.size() <= 2);
+    for (const std::string& line : said) CHECK(line.find("a copy every ") != std::string::npos);
+    // At 2 steps between copies no step is free of one: the step without a
+    // copy is the one measured before, and the interval holds.
+    run(interval, 451, 500, now, 60us, 20us);
+    interval.adopt(interval.pack(), 0, 500);
+    CHECK(interval.every() == 2);
+  }
+  SUBCASE("the costliest rank decides; a rank that knows nothing yet does not") {
+    std::vector<std::int64_t> all = mine;
+    all.insert(all.end(), {900'000, 1'000'000, 0, 50'000, 20});  // 0.9 ms a copy: 18 steps
+    all.insert(all.end(), {-1, -1, 0, 50'000, 20});
+    CHECK(interval.adopt(all, 2, 50).has_value());
+    CHECK(interval.every() == 18);
+  }
+  SUBCASE("a copy that costs more than the budget at the bound: the bound, and said") {
+    std::vector<std::int64_t> all = mine;
+    all.insert(all.end(), {5'000'000, 1'000'000, 0, 50'000, 20});  // 100 steps would be needed
+    const auto line = interval.adopt(all, 0, 50);
+    CHECK(interval.every() == 20);
+    REQUIRE(line.has_value());
+    CHECK(line->find("25% of the steps, over memory_budget's 5%: memory_every 20 is the most") !=
+          std::string::npos);
+  }
+  SUBCASE("no rank knows its figures: the interval holds, nothing said") {
+    const std::vector<std::int64_t> all{-1, -1, 0, 50'000, 20, -1, 1'000'000, 0, 50'000, 20};
+    CHECK_FALSE(interval.adopt(all, 0, 50).has_value());
+    CHECK(interval.every() == 10);
+    CHECK(interval.next_agreement() == 100);
+  }
+  SUBCASE("an agreement costs at most a tenth of the budget: they come as far apart") {
+    // 1 ms an agreement, steps of 1 ms, 5%: 200 steps apart; at most max_window.
+    std::vector<std::int64_t> all = mine;
+    all.insert(all.end(), {400'000, 1'000'000, 1'000'000, 50'000, 20});
+    interval.adopt(all, 0, 50);
+    CHECK(interval.next_agreement() == 250);
+    CHECK_FALSE(interval.agreement_due(249));
+    CHECK(interval.agreement_due(250));
+    all[7] = 60'000'000;
+    interval.adopt(all, 0, 250);
+    CHECK(interval.next_agreement() == 250 + ckpt::memory_interval::max_window);
+  }
+  SUBCASE("ranks given other options: refused, naming the rank") {
+    std::vector<std::int64_t> all = mine;
+    all.insert(all.end(), {400'000, 1'000'000, 0, 30'000, 20});
+    CHECK_THROWS_WITH_AS(interval.adopt(all, 0, 50),
+                         doctest::Contains("on rank 1 memory_every 20 and memory_budget 3%"),
+                         dtrain::config_error);
+  }
+  SUBCASE("steps saved to disk, and the steps after them, are not measured") {
+    ckpt::memory_interval other(20, 0.05);
+    clock::time_point t{};
+    for (std::uint64_t n = 1; n <= 50; ++n) {
+      const bool disk = n % 7 == 0;
+      if (disk) other.disturb();
+      t += disk ? 50ms : 1000us;  // a save of 49 ms, after 1 ms of training
+      other.record(other.due(n), t);
+    }
+    const std::vector<std::int64_t> figures = other.pack();
+    CHECK(figures[1] == 1'000'000);
+    CHECK(figures[0] == 0);  // copies free here: the saves' time is not theirs
+  }
+  SUBCASE("a restore starts again") {
+    CHECK(interval.adopt(mine, 0, 50).has_value());
+    interval.reset(1234);
+    CHECK(interval.every() == 10);
+    CHECK(interval.pack()[0] == -1);
+    CHECK(interval.next_agreement() == 1284);
+  }
+  SUBCASE("without a budget: every memory_every steps, never measured") {
+    ckpt::memory_interval fixed(4, 0);
+    CHECK_FALSE(fixed.automatic());
+    CHECK(fixed.every() == 4);
+    CHECK_FALSE(fixed.agreement_due(50));
+    CHECK(fixed.due(8));
+    CHECK_FALSE(fixed.due(6));
+  }
+}
+
+TEST_CASE(
+    "checkpoint: with memory_budget every rank copies the same steps, as often as it allows") {
+  SUBCASE("cheap copies on long steps: more often than memory_every") {
+    scratch_dir disk, memory;
+    const dtrain::checkpoint_options options{.dir = disk.path,
+                                             .quiet = true,
+                                             .memory_every = 1000,
+                                             .memory_budget = 0.5,
+                                             .memory_dir = memory.path};
+    std::vector<std::uint64_t> interval(2, 0);
+    const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+      toy_state state;
+      dtrain::checkpoint c(plane, options);
+      state.add_to(c);
+      CHECK(c.memory_interval() == 10);
+      for (int step = 1; step <= 100; ++step) {
+        state.fill(static_cast<float>(step));
+        std::this_thread::sleep_for(2ms);  // a training step
+        c.step();
+      }
+      interval[static_cast<std::size_t>(rank)] = c.memory_interval();
+    });
+    for (const auto& f : failures) CHECK(f == "");
+    // The same on both ranks, well under the bound (a copy of 600 bytes
+    // costs less than 1000 half-steps of 2 ms), and both ranks' copies are
+    // of the same steps (each keeps its 2 newest).
+    CHECK(interval[0] == interval[1]);
+    CHECK(interval[0] < 1000);
+    auto copies_of = [&](int rank) {
+      std::set<std::uint64_t> steps;
+      const std::string tail = ".rank-" + std::to_string(rank);
+      for (const auto& e : fs::directory_iterator(memory.path)) {
+        const std::string name = e.path().filename().string();
+        if (name.starts_with("step-") && name.ends_with(tail) && fs::exists(e.path() / "MANIFEST"))
+          steps.insert(std::stoull(name.substr(5, name.size() - 5 - tail.size())));
+      }
+      return steps;
+    };
+    const std::set<std::uint64_t> steps = copies_of(0);
+    CHECK(steps.size() == 2);
+    CHECK(copies_of(1) == steps);
+    REQUIRE_FALSE(steps.empty());
+    const std::uint64_t newest = *steps.rbegin();
+    // A restart resumes from the newest.
+    const auto again = on_ranks(2, [&](dtrain::control_plane plane, int) {
+      toy_state state;
+      dtrain::checkpoint c(plane, options);
+      state.add_to(c);
+      CHECK(c.restore() == newest);
+      CHECK(state.optimizer == "adam:" + std::to_string(newest));
+      CHECK(c.memory_interval() == 10);  // measured again from the start
+    });
+    for (const auto& f : again) CHECK(f == "");
+  }
+  SUBCASE("a costly copy on short steps: memory_every, the most it may wait") {
+    scratch_dir disk, memory;
+    const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+      toy_state state;
+      dtrain::checkpoint c(plane, {.dir = disk.path,
+                                   .quiet = true,
+                                   .memory_every = 7,
+                                   .memory_budget = 0.01,
+                                   .memory_dir = memory.path});
+      state.add_to(c);
+      c.add(
+          "slow",
+          [] {
+            std::this_thread::sleep_for(5ms);
+            return std::string("x");
+          },
+          [](std::string_view) {});
+      CHECK(c.memory_interval() == 7);
+      for (int step = 1; step <= 100; ++step) {
+        state.fill(static_cast<float>(step));
+        c.step();
+      }
+      CHECK(c.memory_interval() == 7);
+    });
+    for (const auto& f : failures) CHECK(f == "");
+    CHECK(fs::exists(memory.path / "step-98.rank-0" / "MANIFEST"));
+    CHECK(fs::exists(memory.path / "step-91.rank-1" / "MANIFEST"));
+  }
+  SUBCASE("ranks given other budgets: refused on every rank, naming them") {
+    scratch_dir disk, memory;
+    const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+      toy_state state;
+      dtrain::checkpoint c(plane, {.dir = disk.path,
+                                   .quiet = true,
+                                   .memory_every = 20,
+                                   .memory_budget = rank == 0 ? 0.03 : 0.05,
+                                   .memory_dir = memory.path});
+      state.add_to(c);
+      for (int step = 1; step <= 50; ++step) c.step();
+    });
+    CHECK(failures[0].find("on rank 1 memory_every 20 and memory_budget 5%") != std::string::npos);
+    CHECK(failures[1].find("on rank 0 memory_every 20 and memory_budget 3%") != std::string::npos);
+  }
+  SUBCASE("bad options") {
+    on_ranks(1, [&](dtrain::control_plane plane, int) {
+      CHECK_THROWS_WITH_AS(
+          dtrain::checkpoint(plane, {.dir = "x", .memory_every = 10, .memory_budget = 1.5}),
+          doctest::Contains("memory_budget is 1.5"), dtrain::config_error);
+      CHECK_THROWS_WITH_AS(
+          dtrain::checkpoint(plane, {.dir = "x", .memory_every = 2, .memory_budget = 0.03}),
+          doctest::Contains("memory_every must be at least 3"), dtrain::config_error);
+      CHECK_THROWS_WITH_AS(dtrain::checkpoint(plane, {.dir = "x", .memory_budget = 0.03}),
+                           doctest::Contains("memory_budget is set and memory_every is 0"),
+                           dtrain::config_error);
+    });
+  }
+}

@@ -21,6 +21,7 @@ DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint
 DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpoint_options options)
     : context_{plane, std::move(options), {}},
       entries_(plane.rank(), std::max(1, context_.options.copy_threads)),
+      interval_(context_.options.memory_every, context_.options.memory_budget),
       disk_(context_) {
   const checkpoint_options& o = context_.options;
   if (o.dir.empty()) {
@@ -42,6 +43,19 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::memory_beside_step is set and memory_every is 0: "
                        "there is no memory copy to read beside the step (set memory_every)");
+  }
+  if (!(o.memory_budget >= 0 && o.memory_budget < 1)) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_budget is " + std::to_string(o.memory_budget) +
+                       "; a share of the step time, at least 0 (none) and below 1 (e.g. 0.03)");
+  }
+  if (o.memory_budget > 0 && o.memory_every < 3) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_budget is set and memory_every is " +
+                       std::to_string(o.memory_every) +
+                       ": the budget chooses between 1 and memory_every steps between copies, "
+                       "and memory_every must be at least 3 (a step between copies, and one "
+                       "after it, to measure a step without a copy)");
   }
   const environment env = environment::from_process();
   // The memory tier's places: an option, else the variable dtrun's agent sets.
@@ -153,6 +167,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
     if (const std::int64_t on_disk = disk_.newest_by_name(); on_disk != -2) {
       if (const auto step = memory_->newest(on_disk, entries_)) {
         load(*memory_, *step);
+        interval_.reset(*step);
         return step;
       }
     }  // else the disk's own look below says why it cannot be read
@@ -161,9 +176,11 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   if (!step) {
     context_.say("no checkpoint in " + context_.options.dir.string() +
                  ": starting from the beginning");
+    interval_.reset(static_cast<std::uint64_t>(steps_));
     return std::nullopt;
   }
   load(disk_, *step);
+  interval_.reset(*step);
   return step;
 }
 
@@ -219,7 +236,8 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
   const bool to_disk = context_.options.every > 0 && n % context_.options.every == 0;
-  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) {
+  const bool copies = interval_.due(n);
+  if (copies) {
     // A step saved to disk synchronously writes its memory copy within
     // step() too, not beside the next step, and before the disk's: a rank
     // killed during the disk's save, or in the next step, leaves that copy
@@ -227,11 +245,23 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
     copy_to_memory(context_.options.memory_beside_step &&
                    !(to_disk && !context_.options.asynchronous));
   }
-  if (to_disk) {
-    save();
-    return true;
+  if (to_disk) save();  // (the interval leaves this step out: save() disturbs it)
+  if (interval_.automatic()) {
+    interval_.record(copies);
+    if (interval_.agreement_due(n)) {
+      // Every rank's figures, and from them the same interval everywhere.
+      const auto start = std::chrono::steady_clock::now();
+      const std::vector<std::int64_t> mine = interval_.pack();
+      std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
+      context_.plane.allgather(mine, all);
+      if (const auto line = interval_.adopt(all, context_.plane.rank(), n)) context_.say(*line);
+      interval_.agreed(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count());
+      interval_.disturb();  // the agreement's time falls in the next step
+    }
   }
-  return false;
+  return to_disk;
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
@@ -279,6 +309,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  interval_.disturb();  // a copy the program asked for: not one step() measures
   copy_to_memory(context_.options.memory_beside_step);
 }
 
@@ -304,6 +335,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::copy_to_memory(bool beside) {
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
+  interval_.disturb();  // the memory tier's interval does not measure this step
   const auto start = std::chrono::steady_clock::now();
   ++context_.timings.saves;
   // What the training thread spends here, whatever way it leaves.

@@ -37,6 +37,7 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/checkpoint/disk_tier.hpp>
 #include <dtrain/checkpoint/format.hpp>
+#include <dtrain/checkpoint/interval.hpp>
 #include <dtrain/checkpoint/memory_tier.hpp>
 #include <dtrain/checkpoint/options.hpp>
 #include <dtrain/checkpoint/registry.hpp>
@@ -232,7 +233,9 @@ class checkpoint {
   std::optional<std::uint64_t> restore();
 
   /// Counts a finished training step; saves when `every` divides the count,
-  /// into memory when `memory_every` does. Returns whether it saved to disk.
+  /// into memory when memory_interval() does (with memory_budget, every 50
+  /// steps it is agreed again, on every rank together). Returns whether it
+  /// saved to disk.
   /// With checkpoint_options::memory_beside_step, throws config_error (and
   /// drops that copy) when the step before began a memory copy and no
   /// before_update() came since.
@@ -257,6 +260,12 @@ class checkpoint {
   /// Where the memory tier keeps this node's copies (empty: none).
   [[nodiscard]] std::filesystem::path memory_dir() const {
     return memory_ ? memory_->dir() : std::filesystem::path();
+  }
+  /// The steps between memory copies now: memory_every, or with
+  /// memory_budget what the ranks last agreed on (the same on every rank);
+  /// 0: no memory copies.
+  [[nodiscard]] std::uint64_t memory_interval() const noexcept {
+    return memory_ ? interval_.every() : 0;
   }
   /// This rank's memory copies that could not be written (the first is said on stderr).
   [[nodiscard]] std::uint64_t memory_failures() const noexcept {
@@ -328,6 +337,8 @@ class checkpoint {
   // memory_beside_step: a memory copy began at the last step, and no
   // before_update() (or wait()) came since.
   bool word_due_ = false;
+  // When step() copies into memory (memory_every, memory_budget).
+  detail::ckpt::memory_interval interval_;
   detail::ckpt::disk_tier disk_;
   std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };

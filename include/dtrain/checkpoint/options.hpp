@@ -43,8 +43,9 @@ struct checkpoint_options {
   /// 0: automatic, the machine's cores per local rank when built from a
   /// dtrain::context (at most 8), else 1.
   int copy_threads = 0;
-  /// The memory tier: step() also saves every `memory_every`-th step into
-  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// The memory tier: step() also saves every `memory_every`-th step (with
+  /// `memory_budget`, as often as that allows) into `memory_dir`, memory
+  /// that outlives this process but not its node. A
   /// worker restarted on the node resumes from there when that copy is at
   /// least as new as the newest on disk (no read of `dir`); the disk stays
   /// the fallback and the tier for whole-job restarts. Each rank writes and
@@ -59,6 +60,22 @@ struct checkpoint_options {
   /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
   /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
+  /// The memory tier's share of the step time, e.g. 0.03 (0: none). With a
+  /// budget, `memory_every` is the most steps between copies (what a failure
+  /// may cost), and the copies come as often as keeps their cost within it:
+  /// 50 steps after the start, and then as far apart as keeps this agreement
+  /// within a tenth of the budget (at most 10000 steps), the ranks agree on
+  /// the fewest steps between copies whose cost, measured on the costliest
+  /// rank (each step's time, between two step() calls, with a copy and
+  /// without), is at most this share of a step's. Rank 0 says what it chose,
+  /// and again when it moves more than 2x (checkpoint::memory_interval()
+  /// tells it too). A small state on short steps is copied every few dozen
+  /// steps instead of every step; a large one on long steps (a GPU's) every
+  /// step. It starts at 10 steps (`memory_every` when smaller), again after
+  /// each restore(). Needs memory_every of at least 3 (a step between copies
+  /// and one after it, to measure a step without a copy); the same on every
+  /// rank. The steps saved to disk, and those after them, are not measured.
+  double memory_budget = 0;
   /// The memory tier's copy costs the training thread next to nothing:
   /// step() copies only the values under 64 KiB (a counter, an RNG's state),
   /// the sampler, byte entries and shards, and a thread reads the larger
