@@ -65,7 +65,7 @@ constexpr const char* own_synopsis =
     "          [--checkpoint-dir DIR [--checkpoint-every N]\n"
     "           [--memory-every N [--memory-budget X] [--memory-beside-step]]]\n"
     "          [--sample-log DIR]\n";
-constexpr const char* own_options =
+constexpr const char* own_options_first =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
     "                      not in the MPI build, where mpirun starts the ranks\n"
     "  --optimizer sgd|adam  SGD with --momentum, or Adam (torch's defaults; give it a\n"
@@ -75,16 +75,9 @@ constexpr const char* own_options =
     "                      (ddp_options::sharding) (0)\n"
     "  --precision fp32|bf16|fp16  the values and gradients DDP averages and updates:\n"
     "                      float32, or 16-bit with float32 sums and float32 master\n"
-    "                      weights (fp16 with a loss scaler) (fp32)\n"
-    "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
-    "                      checkpoints there (every rank must see DIR)\n"
-    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
-    "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
-    "                      worker restarted on its node resumes from there, and\n"
-    "                      loses at most N steps; under dtrun) (0: never; 0)\n"
-    "  --memory-budget X   copy as often as keeps the copies within this share of\n"
-    "                      the step time (e.g. 0.03), at most every --memory-every\n"
-    "                      steps (checkpoint_options::memory_budget) (0: none)\n"
+    "                      weights (fp16 with a loss scaler) (fp32)\n";
+// (then mlp::checkpoint_help, the flags the LibTorch example takes too)
+constexpr const char* own_options_last =
     "  --memory-beside-step  the memory copy reads the weights beside the next step's\n"
     "                      forward and backward, not in step() (checkpoint_options::\n"
     "                      memory_beside_step)\n"
@@ -95,10 +88,7 @@ constexpr const char* own_options =
 /// The shared settings and this program's own.
 struct demo_settings {
   mlp::settings s;
-  std::string checkpoint_dir;
-  std::uint64_t checkpoint_every = 0;
-  std::uint64_t memory_every = 0;
-  double memory_budget = 0;
+  mlp::checkpoint_flags checkpoint;
   bool memory_beside_step = false;
   std::string sample_log;
   mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
@@ -107,27 +97,12 @@ struct demo_settings {
 };
 
 demo_settings parse_flags(int argc, char** argv) {
-  const mlp::command_line line(program, own_synopsis, own_options);
+  static const std::string own_options =
+      std::string(own_options_first) + mlp::checkpoint_help + own_options_last;
+  const mlp::command_line line(program, own_synopsis, own_options.c_str());
   demo_settings d;
   line.parse(argc, argv, d.s, [&](std::string_view flag, auto& value) {
-    if (flag == "--checkpoint-dir") {
-      d.checkpoint_dir = std::string(value());
-      if (d.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
-      return true;
-    }
-    if (flag == "--checkpoint-every") {
-      d.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
-      return true;
-    }
-    if (flag == "--memory-every") {
-      d.memory_every = line.number<std::uint64_t>(flag, value(), 0);
-      return true;
-    }
-    if (flag == "--memory-budget") {
-      d.memory_budget = line.number<double>(flag, value(), 0.0);
-      if (!(d.memory_budget < 1)) line.bad_flag("--memory-budget: a share below 1, e.g. 0.03");
-      return true;
-    }
+    if (d.checkpoint.take(line, flag, value)) return true;
     if (flag == "--memory-beside-step") {
       d.memory_beside_step = true;
       return true;
@@ -171,20 +146,8 @@ demo_settings parse_flags(int argc, char** argv) {
     d.s.nproc_per_node = line.number<int>(flag, value(), 1);
     return true;
   });
-  if (d.checkpoint_every > 0 && d.checkpoint_dir.empty()) {
-    line.bad_flag("--checkpoint-every " + std::to_string(d.checkpoint_every) +
-                  " needs a --checkpoint-dir to save into");
-  }
-  if (d.memory_every > 0 && d.checkpoint_dir.empty()) {
-    line.bad_flag("--memory-every " + std::to_string(d.memory_every) +
-                  " needs a --checkpoint-dir (the disk tier, its fallback)");
-  }
-  if (d.memory_budget > 0 && d.memory_every < 3) {
-    line.bad_flag(
-        "--memory-budget needs --memory-every N, N at least 3: the most steps "
-        "between copies");
-  }
-  if (d.memory_beside_step && d.memory_every == 0) {
+  d.checkpoint.check(line);
+  if (d.memory_beside_step && d.checkpoint.memory_every == 0) {
     line.bad_flag("--memory-beside-step needs --memory-every N (a memory copy to read)");
   }
   return d;
@@ -325,11 +288,11 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   // What a resumed job needs to continue exactly: weights, velocities, the
   // sampler's place and the step (the data and the model are made from --seed).
   std::optional<dtrain::checkpoint> checkpoint;
-  if (!d.checkpoint_dir.empty()) {
-    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
-                                                       .every = d.checkpoint_every,
-                                                       .memory_every = d.memory_every,
-                                                       .memory_budget = d.memory_budget,
+  if (!d.checkpoint.dir.empty()) {
+    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint.dir,
+                                                       .every = d.checkpoint.every,
+                                                       .memory_every = d.checkpoint.memory_every,
+                                                       .memory_budget = d.checkpoint.memory_budget,
                                                        .memory_beside_step = d.memory_beside_step});
     if (d.sharding == dtrain::sharding::parameters) {
       // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
@@ -460,9 +423,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     const std::size_t values = stage3 ? ddp.memory_use().values : ddp.model_elements() * sizeof(T);
     std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n",
                 optimizer.state_bytes(), values);
-    if (checkpoint && d.memory_budget > 0) {
+    if (checkpoint && d.checkpoint.memory_budget > 0) {
       std::printf("memory copies every %llu steps at the end (--memory-budget %g)\n",
-                  static_cast<unsigned long long>(checkpoint->memory_interval()), d.memory_budget);
+                  static_cast<unsigned long long>(checkpoint->memory_interval()),
+                  d.checkpoint.memory_budget);
     }
     std::fflush(stdout);
   }

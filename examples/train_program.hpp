@@ -8,7 +8,8 @@
 ///   through command_line::parse and their help through command_line's
 ///   constructor. --help prints the usage and exits 0; a bad flag or value
 ///   exits 2 (dtrain::config_error_exit_status) with a line that names it;
-/// - their last check, that every rank ends with the same weights.
+/// - their last check, that every rank ends with the same weights;
+/// - the checkpoint flags, which the LibTorch example (train_torch.cpp) takes too.
 ///
 /// Compiles with g++ and with nvcc -std=c++20.
 
@@ -184,6 +185,62 @@ class command_line {
   std::string_view program_;  // a literal's view: data() is null-terminated
   const char* synopsis_;
   const char* options_;
+};
+
+/// The checkpoint flags that the demo and the LibTorch example share; their
+/// help is checkpoint_help (each program's synopsis names them).
+inline constexpr const char* checkpoint_help =
+    "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
+    "                      checkpoints there (every rank must see DIR)\n"
+    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
+    "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
+    "                      worker restarted on its node resumes from there, and\n"
+    "                      loses at most N steps; under dtrun) (0: never; 0)\n"
+    "  --memory-budget X   copy as often as keeps the copies within this share of\n"
+    "                      the step time (e.g. 0.03), at most every --memory-every\n"
+    "                      steps (checkpoint_options::memory_budget) (0: none)\n";
+
+struct checkpoint_flags {
+  std::string dir;
+  std::uint64_t every = 0;
+  std::uint64_t memory_every = 0;
+  double memory_budget = 0;
+
+  /// Takes `flag` when it is one of these, reading its value(): whether it did.
+  template <class Value>
+  bool take(const command_line& line, std::string_view flag, Value& value) {
+    if (flag == "--checkpoint-dir") {
+      dir = std::string(value());
+      if (dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
+    } else if (flag == "--checkpoint-every") {
+      every = line.number<std::uint64_t>(flag, value(), 0);
+    } else if (flag == "--memory-every") {
+      memory_every = line.number<std::uint64_t>(flag, value(), 0);
+    } else if (flag == "--memory-budget") {
+      memory_budget = line.number<double>(flag, value(), 0.0);
+      if (!(memory_budget < 1)) line.bad_flag("--memory-budget: a share below 1, e.g. 0.03");
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  /// Once every flag is read: a flag that needs another it lacks, by name (exit 2).
+  void check(const command_line& line) const {
+    if (every > 0 && dir.empty()) {
+      line.bad_flag("--checkpoint-every " + std::to_string(every) +
+                    " needs a --checkpoint-dir to save into");
+    }
+    if (memory_every > 0 && dir.empty()) {
+      line.bad_flag("--memory-every " + std::to_string(memory_every) +
+                    " needs a --checkpoint-dir (the disk tier, its fallback)");
+    }
+    if (memory_budget > 0 && memory_every < 3) {
+      line.bad_flag(
+          "--memory-budget needs --memory-every N, N at least 3: the most steps "
+          "between copies");
+    }
+  }
 };
 
 /// The end of a data-parallel run: `checksums` holds every rank's weight

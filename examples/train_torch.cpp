@@ -16,6 +16,8 @@
 // and, with --checkpoint-every N, saves one every N steps: the module's
 // parameters and batch-norm buffers, the optimizer's momentum and the
 // sampler's place (dtrain::torch::add_module, add_optimizer, add_sampler).
+// With --memory-every N (and --memory-budget X) it also saves them into the
+// node agent's memory (the memory tier), from which a restarted worker resumes.
 //
 // Exit status: 0; 1 when the ranks' weights differ or a rank fails; 2 for a
 // bad flag or environment.
@@ -53,16 +55,16 @@ struct settings {
   std::int64_t channels = 16;  // of the last two convolution blocks; the first two have half
   std::int64_t hidden = 128;   // the fully connected layer
   int nproc_per_node = 4;
-  std::string checkpoint_dir;
-  std::uint64_t checkpoint_every = 0;
+  mlp::checkpoint_flags checkpoint;
   dtrain::sharding sharding = dtrain::sharding::none;
   torch::Dtype precision = torch::kFloat;
 };
 
-constexpr const char* usage =
+constexpr const char* usage_first =
     "usage: dtrain_train_torch [--nproc-per-node N] [--epochs N] [--batch-size N] [--lr X]\n"
     "          [--momentum X] [--samples N] [--seed N] [--channels N] [--hidden N]\n"
-    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sharding 0|1|2|3]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]\n"
+    "           [--memory-every N [--memory-budget X]]] [--sharding 0|1|2|3]\n"
     "          [--precision fp32|bf16|fp16]\n"
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4)\n"
     "  --epochs N          passes over the training set (5)\n"
@@ -72,10 +74,9 @@ constexpr const char* usage =
     "  --samples N         training images; a quarter as many again for testing (4096)\n"
     "  --seed N            seeds the images, the weights and the shuffling (1)\n"
     "  --channels N        channels of the last two convolution blocks, N/2 in the first two (16)\n"
-    "  --hidden N          width of the fully connected layer (128)\n"
-    "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
-    "                      checkpoints there (every rank must see DIR)\n"
-    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
+    "  --hidden N          width of the fully connected layer (128)\n";
+// (then mlp::checkpoint_help, the flags the demo takes too)
+constexpr const char* usage_last =
     "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
     "                      ranks, 2 the averaged gradients too, 3 the parameters' values\n"
     "                      too (ddp_options::sharding) (0)\n"
@@ -86,6 +87,7 @@ constexpr const char* usage =
 settings parse_flags(int argc, char** argv) {
   const mlp::command_line line(program, "", "");
   settings s;
+  const std::string usage = std::string(usage_first) + mlp::checkpoint_help + usage_last;
   line.each_flag(argc, argv, usage, [&](std::string_view flag, auto& value) {
     if (flag == "--nproc-per-node" || flag == "--nproc_per_node") {
       s.nproc_per_node = line.number<int>(flag, value(), 1);
@@ -105,11 +107,8 @@ settings parse_flags(int argc, char** argv) {
       s.channels = line.number<std::int64_t>(flag, value(), 2);
     } else if (flag == "--hidden") {
       s.hidden = line.number<std::int64_t>(flag, value(), 1);
-    } else if (flag == "--checkpoint-dir") {
-      s.checkpoint_dir = std::string(value());
-      if (s.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
-    } else if (flag == "--checkpoint-every") {
-      s.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+    } else if (s.checkpoint.take(line, flag, value)) {
+      return true;
     } else if (flag == "--precision") {
       const std::string_view name = value();
       if (name == "fp32") {
@@ -133,10 +132,7 @@ settings parse_flags(int argc, char** argv) {
   });
   if (s.momentum >= 1.0)
     line.bad_flag("--momentum " + std::to_string(s.momentum) + ": must be below 1");
-  if (s.checkpoint_every > 0 && s.checkpoint_dir.empty()) {
-    line.bad_flag("--checkpoint-every " + std::to_string(s.checkpoint_every) +
-                  " needs a --checkpoint-dir to save into");
-  }
+  s.checkpoint.check(line);
   return s;
 }
 
@@ -211,9 +207,12 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   }
 
   std::optional<dtrain::checkpoint> checkpoint;
-  if (!s.checkpoint_dir.empty()) {
-    checkpoint.emplace(
-        ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir, .every = s.checkpoint_every});
+  if (!s.checkpoint.dir.empty()) {
+    checkpoint.emplace(ctx,
+                       dtrain::checkpoint_options{.dir = s.checkpoint.dir,
+                                                  .every = s.checkpoint.every,
+                                                  .memory_every = s.checkpoint.memory_every,
+                                                  .memory_budget = s.checkpoint.memory_budget});
     dtrain::torch::add_module(*checkpoint, ddp);  // stage 3: the values' shards
     // Sharded, each rank saves its shard of the momentum; a job of another
     // size re-cuts it (without sharding: the optimizer, replicated).

@@ -29348,6 +29348,9 @@ namespace dtrain {
 enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
 
 /// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
+/// `every`, `asynchronous`, `memory_every` and `memory_budget` must be the
+/// same on every rank: the checkpoint's constructor refuses them otherwise,
+/// on every rank (config_error).
 struct checkpoint_options {
   /// Where the checkpoints go (created if missing). Every rank must see the
   /// same directory: one machine, or a file system that every node shares.
@@ -29407,8 +29410,8 @@ struct checkpoint_options {
   /// steps instead of every step; a large one on long steps (a GPU's) every
   /// step. It starts at 10 steps (`memory_every` when smaller), again after
   /// each restore(). Needs memory_every of at least 3 (a step between copies
-  /// and one after it, to measure a step without a copy); the same on every
-  /// rank. The steps saved to disk, and those after them, are not measured.
+  /// and one after it, to measure a step without a copy). The steps saved to
+  /// disk, and those after them, are not measured.
   double memory_budget = 0;
   /// The memory tier's copy costs the training thread next to nothing:
   /// step() copies only the values under 64 KiB (a counter, an RNG's state),
@@ -31834,7 +31837,7 @@ class memory_interval {
   /// weighing at most as much as this many.
   static constexpr int history_copies = 10;
   /// Numbers per rank in an agreement (pack()).
-  static constexpr std::size_t packed = 5;
+  static constexpr std::size_t packed = 3;
 
   /// `bound`: checkpoint_options::memory_every (0: no copies); `budget`:
   /// memory_budget (0: a copy every `bound` steps, always).
@@ -31865,9 +31868,9 @@ class memory_interval {
   /// The last agreement took `ns` on this rank (pack() says so).
   void agreed(std::int64_t ns) noexcept { agreement_ns_ = ns; }
   /// This rank's figures of the steps since the last agreement: what a copy
-  /// costs and a step without one takes (ns; -1: unknown), what the last
-  /// agreement took (ns; 0: none yet), the budget and the bound (which every
-  /// rank must share).
+  /// costs and a step without one takes (ns; -1: unknown), and what the last
+  /// agreement took (ns; 0: none yet). (Every rank has the same budget and
+  /// bound: the checkpoint agrees on its options when it is made.)
   [[nodiscard]] std::vector<std::int64_t> pack();
   /// The step of the next agreement.
   [[nodiscard]] std::uint64_t next_agreement() const noexcept { return next_agreement_; }
@@ -31876,9 +31879,8 @@ class memory_interval {
   /// rank, within 1 and the bound (unchanged while no rank knows its
   /// figures), and the next agreement is set. Returns the
   /// line rank 0 says: the first choice, and each that moves more than 2x
-  /// from the last said. Throws config_error, naming the ranks, when they
-  /// were given other budgets or bounds.
-  std::optional<std::string> adopt(std::span<const std::int64_t> all, int rank, std::uint64_t n);
+  /// from the last said.
+  std::optional<std::string> adopt(std::span<const std::int64_t> all, std::uint64_t n);
 
  private:
   std::uint64_t bound_;
@@ -32016,11 +32018,11 @@ DTRAIN_DETAIL_INLINE std::vector<std::int64_t> memory_interval::pack() {
   clean_ns_.clear();
   copy_ns_.clear();
   after_ns_.clear();
-  return {cost_ns_, baseline_ns_, agreement_ns_, budget_ppm_, static_cast<std::int64_t>(bound_)};
+  return {cost_ns_, baseline_ns_, agreement_ns_};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::string> memory_interval::adopt(
-    std::span<const std::int64_t> all, int rank, std::uint64_t n) {
+    std::span<const std::int64_t> all, std::uint64_t n) {
   const std::size_t ranks = all.size() / packed;
   // Decided from the same numbers on every rank, in integers: the same interval.
   bool known = false;
@@ -32028,15 +32030,6 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> memory_interval::adopt(
   std::uint64_t apart = window;  // steps to the next agreement
   for (std::size_t r = 0; r < ranks; ++r) {
     const std::int64_t* at = all.data() + r * packed;
-    if (at[3] != budget_ppm_ || at[4] != static_cast<std::int64_t>(bound_)) {
-      throw config_error("checkpoint on rank " + std::to_string(rank) +
-                         ": the ranks disagree on the memory tier's options: here memory_every " +
-                         std::to_string(bound_) + " and memory_budget " +
-                         interval_detail::percent_text(budget_ppm_) + ", on rank " +
-                         std::to_string(r) + " memory_every " + std::to_string(at[4]) +
-                         " and memory_budget " + interval_detail::percent_text(at[3]) +
-                         " (every rank copies the same steps: give every rank the same options)");
-    }
     if (at[1] <= 0) continue;
     // An agreement costs at most a tenth of the budget: as many steps apart.
     const double steps_apart =
@@ -33700,6 +33693,9 @@ namespace dtrain {
 /// scope) in the same way, and calls restore(), step() and save() together.
 class checkpoint {
  public:
+  /// Every rank together. Throws config_error, on every rank, when the ranks'
+  /// every, asynchronous, memory_every or memory_budget differ (naming rank
+  /// 0's and the first that differs), or bad options (the rank's own).
   checkpoint(dtrain::control_plane plane, checkpoint_options options);
   /// From a dtrain::context (its control plane).
   template <class Context>
@@ -33933,6 +33929,13 @@ class checkpoint {
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
   void load(detail::ckpt::tier& t, std::uint64_t step);
+  /// Every rank together: the options that make the ranks save and copy at
+  /// the same steps, compared across the ranks; empty when they are the same
+  /// everywhere, else the problem (naming rank 0's and the first that differs).
+  std::string differing_options();
+  /// This rank's options and environment taken (the memory tier, the
+  /// metrics file); throws config_error, or what the metrics file's write throws.
+  void take_options();
   /// All ranks learn whether every rank could `what` (the verdict,
   /// control/verdict.hpp); throws checkpoint_error on every rank if not.
   void agree(bool ok, const std::string& problem, const std::string& what);
@@ -33981,7 +33984,25 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
       entries_(plane.rank(), std::max(1, context_.options.copy_threads)),
       interval_(context_.options.memory_every, context_.options.memory_budget),
       disk_(context_) {
+  // Options that differ across the ranks (the same text on every rank), else
+  // this rank's own bad options or environment: every rank learns of the
+  // first problem and throws (one verdict), none waits for a rank that failed.
+  std::string problem = differing_options();
+  if (problem.empty()) {
+    try {
+      take_options();
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  agree_or_throw<config_error>(context_.plane, "take its checkpoint_options", problem);
+  add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
+             {});
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   const checkpoint_options& o = context_.options;
+  const dtrain::control_plane& plane = context_.plane;
   if (o.dir.empty()) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
@@ -34035,24 +34056,16 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
         given(o.memory_held, memory_held_variable), round);
   }
-  add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
-             {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
-  std::string problem;
   if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
       !dir.empty()) {
-    const int rank = context_.plane.rank();
+    const int rank = plane.rank();
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
             .string();
     context_.metrics_labels = detail::metrics_text::labels(rank, node_name_or_unknown(env));
-    try {
-      detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
-    } catch (const std::exception& e) {
-      problem = e.what();
-    }
+    detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
   }
-  agree_or_throw<config_error>(context_.plane, "open the checkpoint's metrics file", problem);
 }
 
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name, buffer values,
@@ -34212,7 +34225,7 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
       const std::vector<std::int64_t> mine = interval_.pack();
       std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
       context_.plane.allgather(mine, all);
-      if (const auto line = interval_.adopt(all, context_.plane.rank(), n)) context_.say(*line);
+      if (const auto line = interval_.adopt(all, n)) context_.say(*line);
       interval_.agreed(std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - start)
                            .count());
@@ -34323,6 +34336,36 @@ DTRAIN_DETAIL_INLINE void checkpoint::wait() {
 }
 
 DTRAIN_DETAIL_INLINE checkpoint::~checkpoint() = default;
+
+DTRAIN_DETAIL_INLINE std::string checkpoint::differing_options() {
+  // What makes the ranks save, commit and copy at the same steps: a rank
+  // given other values would wait at a save or a copy's agreement that the
+  // others never make, or copy steps the others do not.
+  const checkpoint_options& o = context_.options;
+  const std::array<std::int64_t, 4> mine{static_cast<std::int64_t>(o.every), o.asynchronous ? 1 : 0,
+                                         static_cast<std::int64_t>(o.memory_every),
+                                         std::bit_cast<std::int64_t>(o.memory_budget)};
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(mine, all);
+  auto text = [&](std::size_t r) {
+    const std::int64_t* at = all.data() + r * mine.size();
+    char budget[32];
+    std::snprintf(budget, sizeof budget, "%g", std::bit_cast<double>(at[3]));
+    return "rank " + std::to_string(r) + ": every " + std::to_string(at[0]) + ", asynchronous " +
+           (at[1] != 0 ? "true" : "false") + ", memory_every " + std::to_string(at[2]) +
+           ", memory_budget " + budget;
+  };
+  for (std::size_t r = 1; r * mine.size() < all.size(); ++r) {
+    if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()),
+                    all.begin() + static_cast<std::ptrdiff_t>(r * mine.size()))) {
+      return "checkpoint on rank " + std::to_string(context_.plane.rank()) +
+             ": the ranks were given other checkpoint_options (" + text(0) + "; " + text(r) +
+             "): every rank saves, commits and copies into memory at the same steps; give "
+             "every rank the same options";
+    }
+  }
+  return {};
+}
 
 DTRAIN_DETAIL_INLINE void checkpoint::agree(bool ok, const std::string& problem,
                                             const std::string& what) {

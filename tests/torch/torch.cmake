@@ -161,9 +161,10 @@ endif()
 # torch.resume.kill_worker.2ranks (issue 33): the LibTorch example on 2 workers,
 # one killed after its first checkpoint, resumes (module, optimizer, sampler
 # through dtrain::torch) and ends bit-identical to an uninterrupted run;
-# torch.resume.kill_worker_stage3.2ranks the same at ZeRO stage 3 (issue 48).
+# torch.resume.kill_worker_stage3.2ranks the same at ZeRO stage 3 (issue 48);
+# torch.resume.kill_worker_memory.2ranks at stage 3 from the memory tier (issue 50).
 find_program(DTRAIN_BASH bash)
-foreach(case IN ITEMS kill_worker kill_worker_stage3)
+foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory)
   if(TARGET dtrain_train_torch AND DTRAIN_BASH)
     dtrain_add_test(torch.resume.${case}.2ranks
       COMMAND "${DTRAIN_BASH}" "${PROJECT_SOURCE_DIR}/tests/training/resume.sh" torch_${case}

@@ -1798,10 +1798,8 @@ TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy f
   CHECK(mine[1] == 1'000'000);  // a step without a copy (the median)
   CHECK(mine[0] == 400'000);    // what a copy adds: its step's and the next's
   CHECK(mine[2] == 0);          // no agreement yet
-  CHECK(mine[3] == 50'000);     // the budget in millionths
-  CHECK(mine[4] == 20);
   SUBCASE("one rank") {
-    const auto line = interval.adopt(mine, 0, 50);
+    const auto line = interval.adopt(mine, 50);
     CHECK(interval.every() == 8);
     CHECK(interval.next_agreement() == 100);
     REQUIRE(line.has_value());
@@ -1814,7 +1812,7 @@ TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy f
     run(interval, 51, 57, now, 300us, 100us);
     run(interval, 58, 65, now, 3000us, 1000us);  // the copy of step 64
     run(interval, 66, 150, now, 300us, 100us);
-    CHECK_FALSE(interval.adopt(interval.pack(), 0, 150).has_value());
+    CHECK_FALSE(interval.adopt(interval.pack(), 150).has_value());
     CHECK(interval.every() > 8);
     CHECK(interval.every() < 16);
     // Copies 5x cheaper from now on: within a few windows every 2 steps, said
@@ -1822,7 +1820,7 @@ TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy f
     std::vector<std::string> said;
     for (std::uint64_t from = 151; from < 451; from += 50) {
       run(interval, from, from + 49, now, 60us, 20us);
-      if (const auto line = interval.adopt(interval.pack(), 0, from + 49)) said.push_back(*line);
+      if (const auto line = interval.adopt(interval.pack(), from + 49)) said.push_back(*line);
     }
     CHECK(interval.every() == 2);
     CHECK(!said.empty());  // 8 -> 3 or 2: said; then 3 -> 2 is not more than 2x
@@ -1831,49 +1829,42 @@ TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy f
     // At 2 steps between copies no step is free of one: the step without a
     // copy is the one measured before, and the interval holds.
     run(interval, 451, 500, now, 60us, 20us);
-    interval.adopt(interval.pack(), 0, 500);
+    interval.adopt(interval.pack(), 500);
     CHECK(interval.every() == 2);
   }
   SUBCASE("the costliest rank decides; a rank that knows nothing yet does not") {
     std::vector<std::int64_t> all = mine;
-    all.insert(all.end(), {900'000, 1'000'000, 0, 50'000, 20});  // 0.9 ms a copy: 18 steps
-    all.insert(all.end(), {-1, -1, 0, 50'000, 20});
-    CHECK(interval.adopt(all, 2, 50).has_value());
+    all.insert(all.end(), {900'000, 1'000'000, 0});  // 0.9 ms a copy: 18 steps
+    all.insert(all.end(), {-1, -1, 0});
+    CHECK(interval.adopt(all, 50).has_value());
     CHECK(interval.every() == 18);
   }
   SUBCASE("a copy that costs more than the budget at the bound: the bound, and said") {
     std::vector<std::int64_t> all = mine;
-    all.insert(all.end(), {5'000'000, 1'000'000, 0, 50'000, 20});  // 100 steps would be needed
-    const auto line = interval.adopt(all, 0, 50);
+    all.insert(all.end(), {5'000'000, 1'000'000, 0});  // 100 steps would be needed
+    const auto line = interval.adopt(all, 50);
     CHECK(interval.every() == 20);
     REQUIRE(line.has_value());
     CHECK(line->find("25% of the steps, over memory_budget's 5%: memory_every 20 is the most") !=
           std::string::npos);
   }
   SUBCASE("no rank knows its figures: the interval holds, nothing said") {
-    const std::vector<std::int64_t> all{-1, -1, 0, 50'000, 20, -1, 1'000'000, 0, 50'000, 20};
-    CHECK_FALSE(interval.adopt(all, 0, 50).has_value());
+    const std::vector<std::int64_t> all{-1, -1, 0, -1, 1'000'000, 0};
+    CHECK_FALSE(interval.adopt(all, 50).has_value());
     CHECK(interval.every() == 10);
     CHECK(interval.next_agreement() == 100);
   }
   SUBCASE("an agreement costs at most a tenth of the budget: they come as far apart") {
     // 1 ms an agreement, steps of 1 ms, 5%: 200 steps apart; at most max_window.
     std::vector<std::int64_t> all = mine;
-    all.insert(all.end(), {400'000, 1'000'000, 1'000'000, 50'000, 20});
-    interval.adopt(all, 0, 50);
+    all.insert(all.end(), {400'000, 1'000'000, 1'000'000});
+    interval.adopt(all, 50);
     CHECK(interval.next_agreement() == 250);
     CHECK_FALSE(interval.agreement_due(249));
     CHECK(interval.agreement_due(250));
-    all[7] = 60'000'000;
-    interval.adopt(all, 0, 250);
+    all[5] = 600'000'000;
+    interval.adopt(all, 250);
     CHECK(interval.next_agreement() == 250 + ckpt::memory_interval::max_window);
-  }
-  SUBCASE("ranks given other options: refused, naming the rank") {
-    std::vector<std::int64_t> all = mine;
-    all.insert(all.end(), {400'000, 1'000'000, 0, 30'000, 20});
-    CHECK_THROWS_WITH_AS(interval.adopt(all, 0, 50),
-                         doctest::Contains("on rank 1 memory_every 20 and memory_budget 3%"),
-                         dtrain::config_error);
   }
   SUBCASE("steps saved to disk, and the steps after them, are not measured") {
     ckpt::memory_interval other(20, 0.05);
@@ -1889,7 +1880,7 @@ TEST_CASE("checkpoint: memory_budget's interval is the fewest steps whose copy f
     CHECK(figures[0] == 0);  // copies free here: the saves' time is not theirs
   }
   SUBCASE("a restore starts again") {
-    CHECK(interval.adopt(mine, 0, 50).has_value());
+    CHECK(interval.adopt(mine, 50).has_value());
     interval.reset(1234);
     CHECK(interval.every() == 10);
     CHECK(interval.pack()[0] == -1);
@@ -1987,20 +1978,37 @@ TEST_CASE(
     CHECK(fs::exists(memory.path / "step-98.rank-0" / "MANIFEST"));
     CHECK(fs::exists(memory.path / "step-91.rank-1" / "MANIFEST"));
   }
-  SUBCASE("ranks given other budgets: refused on every rank, naming them") {
+  SUBCASE("ranks given other options, or one a bad one: refused on every rank at once") {
     scratch_dir disk, memory;
-    const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
-      toy_state state;
+    const auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
       dtrain::checkpoint c(plane, {.dir = disk.path,
                                    .quiet = true,
                                    .memory_every = 20,
-                                   .memory_budget = rank == 0 ? 0.03 : 0.05,
+                                   .memory_budget = rank == 2 ? 0.05 : 0.03,
                                    .memory_dir = memory.path});
-      state.add_to(c);
-      for (int step = 1; step <= 50; ++step) c.step();
     });
-    CHECK(failures[0].find("on rank 1 memory_every 20 and memory_budget 5%") != std::string::npos);
-    CHECK(failures[1].find("on rank 0 memory_every 20 and memory_budget 3%") != std::string::npos);
+    for (const std::string& f : failures) {
+      CHECK(f.find("the ranks were given other checkpoint_options (rank 0: every 0, asynchronous "
+                   "false, memory_every 20, memory_budget 0.03; rank 2: every 0, asynchronous "
+                   "false, memory_every 20, memory_budget 0.05)") != std::string::npos);
+    }
+    // One rank's own bad option: every rank stops at once (none waits for
+    // it), naming the rank and its problem.
+    const auto bad = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+      dtrain::checkpoint c(plane, {.dir = disk.path, .keep = rank == 1 ? 0 : 3, .quiet = true});
+    });
+    CHECK(bad[1].find("checkpoint on rank 1: checkpoint_options::keep is 0") != std::string::npos);
+    CHECK(bad[0].find("rank 1 could not take its checkpoint_options") != std::string::npos);
+    CHECK(bad[0].find("keep is 0") != std::string::npos);
+    // A save every other number of steps, on one rank: refused too.
+    const auto saves = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+      dtrain::checkpoint c(plane,
+                           {.dir = disk.path, .every = rank == 0 ? 10u : 20u, .quiet = true});
+    });
+    for (const std::string& f : saves) {
+      CHECK(f.find("(rank 0: every 10, asynchronous false, memory_every 0, memory_budget 0; rank "
+                   "1: every 20,") != std::string::npos);
+    }
   }
   SUBCASE("bad options") {
     on_ranks(1, [&](dtrain::control_plane plane, int) {

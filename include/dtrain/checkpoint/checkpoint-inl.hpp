@@ -23,7 +23,25 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
       entries_(plane.rank(), std::max(1, context_.options.copy_threads)),
       interval_(context_.options.memory_every, context_.options.memory_budget),
       disk_(context_) {
+  // Options that differ across the ranks (the same text on every rank), else
+  // this rank's own bad options or environment: every rank learns of the
+  // first problem and throws (one verdict), none waits for a rank that failed.
+  std::string problem = differing_options();
+  if (problem.empty()) {
+    try {
+      take_options();
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  agree_or_throw<config_error>(context_.plane, "take its checkpoint_options", problem);
+  add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
+             {});
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   const checkpoint_options& o = context_.options;
+  const dtrain::control_plane& plane = context_.plane;
   if (o.dir.empty()) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
@@ -77,24 +95,16 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
         given(o.memory_held, memory_held_variable), round);
   }
-  add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
-             {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
-  std::string problem;
   if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
       !dir.empty()) {
-    const int rank = context_.plane.rank();
+    const int rank = plane.rank();
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
             .string();
     context_.metrics_labels = detail::metrics_text::labels(rank, node_name_or_unknown(env));
-    try {
-      detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
-    } catch (const std::exception& e) {
-      problem = e.what();
-    }
+    detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
   }
-  agree_or_throw<config_error>(context_.plane, "open the checkpoint's metrics file", problem);
 }
 
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name, buffer values,
@@ -254,7 +264,7 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
       const std::vector<std::int64_t> mine = interval_.pack();
       std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
       context_.plane.allgather(mine, all);
-      if (const auto line = interval_.adopt(all, context_.plane.rank(), n)) context_.say(*line);
+      if (const auto line = interval_.adopt(all, n)) context_.say(*line);
       interval_.agreed(std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - start)
                            .count());
@@ -365,6 +375,36 @@ DTRAIN_DETAIL_INLINE void checkpoint::wait() {
 }
 
 DTRAIN_DETAIL_INLINE checkpoint::~checkpoint() = default;
+
+DTRAIN_DETAIL_INLINE std::string checkpoint::differing_options() {
+  // What makes the ranks save, commit and copy at the same steps: a rank
+  // given other values would wait at a save or a copy's agreement that the
+  // others never make, or copy steps the others do not.
+  const checkpoint_options& o = context_.options;
+  const std::array<std::int64_t, 4> mine{static_cast<std::int64_t>(o.every), o.asynchronous ? 1 : 0,
+                                         static_cast<std::int64_t>(o.memory_every),
+                                         std::bit_cast<std::int64_t>(o.memory_budget)};
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(mine, all);
+  auto text = [&](std::size_t r) {
+    const std::int64_t* at = all.data() + r * mine.size();
+    char budget[32];
+    std::snprintf(budget, sizeof budget, "%g", std::bit_cast<double>(at[3]));
+    return "rank " + std::to_string(r) + ": every " + std::to_string(at[0]) + ", asynchronous " +
+           (at[1] != 0 ? "true" : "false") + ", memory_every " + std::to_string(at[2]) +
+           ", memory_budget " + budget;
+  };
+  for (std::size_t r = 1; r * mine.size() < all.size(); ++r) {
+    if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()),
+                    all.begin() + static_cast<std::ptrdiff_t>(r * mine.size()))) {
+      return "checkpoint on rank " + std::to_string(context_.plane.rank()) +
+             ": the ranks were given other checkpoint_options (" + text(0) + "; " + text(r) +
+             "): every rank saves, commits and copies into memory at the same steps; give "
+             "every rank the same options";
+    }
+  }
+  return {};
+}
 
 DTRAIN_DETAIL_INLINE void checkpoint::agree(bool ok, const std::string& problem,
                                             const std::string& what) {

@@ -88,6 +88,9 @@ namespace dtrain {
 /// scope) in the same way, and calls restore(), step() and save() together.
 class checkpoint {
  public:
+  /// Every rank together. Throws config_error, on every rank, when the ranks'
+  /// every, asynchronous, memory_every or memory_budget differ (naming rank
+  /// 0's and the first that differs), or bad options (the rank's own).
   checkpoint(dtrain::control_plane plane, checkpoint_options options);
   /// From a dtrain::context (its control plane).
   template <class Context>
@@ -321,6 +324,13 @@ class checkpoint {
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
   void load(detail::ckpt::tier& t, std::uint64_t step);
+  /// Every rank together: the options that make the ranks save and copy at
+  /// the same steps, compared across the ranks; empty when they are the same
+  /// everywhere, else the problem (naming rank 0's and the first that differs).
+  std::string differing_options();
+  /// This rank's options and environment taken (the memory tier, the
+  /// metrics file); throws config_error, or what the metrics file's write throws.
+  void take_options();
   /// All ranks learn whether every rank could `what` (the verdict,
   /// control/verdict.hpp); throws checkpoint_error on every rank if not.
   void agree(bool ok, const std::string& problem, const std::string& what);

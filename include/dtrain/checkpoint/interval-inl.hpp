@@ -112,11 +112,11 @@ DTRAIN_DETAIL_INLINE std::vector<std::int64_t> memory_interval::pack() {
   clean_ns_.clear();
   copy_ns_.clear();
   after_ns_.clear();
-  return {cost_ns_, baseline_ns_, agreement_ns_, budget_ppm_, static_cast<std::int64_t>(bound_)};
+  return {cost_ns_, baseline_ns_, agreement_ns_};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::string> memory_interval::adopt(
-    std::span<const std::int64_t> all, int rank, std::uint64_t n) {
+    std::span<const std::int64_t> all, std::uint64_t n) {
   const std::size_t ranks = all.size() / packed;
   // Decided from the same numbers on every rank, in integers: the same interval.
   bool known = false;
@@ -124,15 +124,6 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> memory_interval::adopt(
   std::uint64_t apart = window;  // steps to the next agreement
   for (std::size_t r = 0; r < ranks; ++r) {
     const std::int64_t* at = all.data() + r * packed;
-    if (at[3] != budget_ppm_ || at[4] != static_cast<std::int64_t>(bound_)) {
-      throw config_error("checkpoint on rank " + std::to_string(rank) +
-                         ": the ranks disagree on the memory tier's options: here memory_every " +
-                         std::to_string(bound_) + " and memory_budget " +
-                         interval_detail::percent_text(budget_ppm_) + ", on rank " +
-                         std::to_string(r) + " memory_every " + std::to_string(at[4]) +
-                         " and memory_budget " + interval_detail::percent_text(at[3]) +
-                         " (every rank copies the same steps: give every rank the same options)");
-    }
     if (at[1] <= 0) continue;
     // An agreement costs at most a tenth of the budget: as many steps apart.
     const double steps_apart =

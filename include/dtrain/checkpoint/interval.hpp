@@ -37,7 +37,7 @@ class memory_interval {
   /// weighing at most as much as this many.
   static constexpr int history_copies = 10;
   /// Numbers per rank in an agreement (pack()).
-  static constexpr std::size_t packed = 5;
+  static constexpr std::size_t packed = 3;
 
   /// `bound`: checkpoint_options::memory_every (0: no copies); `budget`:
   /// memory_budget (0: a copy every `bound` steps, always).
@@ -68,9 +68,9 @@ class memory_interval {
   /// The last agreement took `ns` on this rank (pack() says so).
   void agreed(std::int64_t ns) noexcept { agreement_ns_ = ns; }
   /// This rank's figures of the steps since the last agreement: what a copy
-  /// costs and a step without one takes (ns; -1: unknown), what the last
-  /// agreement took (ns; 0: none yet), the budget and the bound (which every
-  /// rank must share).
+  /// costs and a step without one takes (ns; -1: unknown), and what the last
+  /// agreement took (ns; 0: none yet). (Every rank has the same budget and
+  /// bound: the checkpoint agrees on its options when it is made.)
   [[nodiscard]] std::vector<std::int64_t> pack();
   /// The step of the next agreement.
   [[nodiscard]] std::uint64_t next_agreement() const noexcept { return next_agreement_; }
@@ -79,9 +79,8 @@ class memory_interval {
   /// rank, within 1 and the bound (unchanged while no rank knows its
   /// figures), and the next agreement is set. Returns the
   /// line rank 0 says: the first choice, and each that moves more than 2x
-  /// from the last said. Throws config_error, naming the ranks, when they
-  /// were given other budgets or bounds.
-  std::optional<std::string> adopt(std::span<const std::int64_t> all, int rank, std::uint64_t n);
+  /// from the last said.
+  std::optional<std::string> adopt(std::span<const std::int64_t> all, std::uint64_t n);
 
  private:
   std::uint64_t bound_;

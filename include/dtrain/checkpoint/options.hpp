@@ -14,6 +14,9 @@ namespace dtrain {
 enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
 
 /// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
+/// `every`, `asynchronous`, `memory_every` and `memory_budget` must be the
+/// same on every rank: the checkpoint's constructor refuses them otherwise,
+/// on every rank (config_error).
 struct checkpoint_options {
   /// Where the checkpoints go (created if missing). Every rank must see the
   /// same directory: one machine, or a file system that every node shares.
@@ -73,8 +76,8 @@ struct checkpoint_options {
   /// steps instead of every step; a large one on long steps (a GPU's) every
   /// step. It starts at 10 steps (`memory_every` when smaller), again after
   /// each restore(). Needs memory_every of at least 3 (a step between copies
-  /// and one after it, to measure a step without a copy); the same on every
-  /// rank. The steps saved to disk, and those after them, are not measured.
+  /// and one after it, to measure a step without a copy). The steps saved to
+  /// disk, and those after them, are not measured.
   double memory_budget = 0;
   /// The memory tier's copy costs the training thread next to nothing:
   /// step() copies only the values under 64 KiB (a counter, an RNG's state),
