@@ -236,9 +236,9 @@ class checkpoint {
   std::optional<std::uint64_t> restore();
 
   /// Counts a finished training step; saves when `every` divides the count,
-  /// into memory when memory_interval() does (with memory_budget, every 50
-  /// steps it is agreed again, on every rank together). Returns whether it
-  /// saved to disk.
+  /// into memory when memory_interval() does (with memory_budget, the ranks
+  /// agree on it again now and then, within step(): every rank together).
+  /// Returns whether it saved to disk.
   /// With checkpoint_options::memory_beside_step, throws config_error (and
   /// drops that copy) when the step before began a memory copy and no
   /// before_update() came since.
