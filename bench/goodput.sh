@@ -3,9 +3,11 @@
 # (issue 50). The demo (dtrain_train_mlp, Gloo) trains a fixed number of steps
 # as a fixed-size job of 2 simulated nodes x 2 workers (tests/cluster/
 # cluster.sh: root and network namespaces; "SKIPPED" and exit 77 without),
-# with a disk checkpoint every 10 steps, from the disk alone or with the
-# memory tier every step (--memory-every 1). Each runs once without failures
-# and once with a node lost every PERIOD seconds (default 20): every process
+# with a disk checkpoint every 10 steps, from the disk alone, with the
+# memory tier every step (--memory-every 1), or as often as a budget of 3% of
+# the step allows (the "budget" row: --memory-every 100 --memory-budget
+# 0.03). Each runs once without failures and once with a node lost every
+# PERIOD seconds (default 20): every process
 # on it SIGKILLed (its host lost: agent and workers) and a new agent started
 # there at once, which takes the lost one's place (dtrun's replacement node,
 # docs/launching.md). The lost nodes take turns: node 2, then node 1 (node 0,
@@ -106,6 +108,7 @@ run() {
   port=$((port + 1))
   local flags=("${model[@]}" --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples")
   [[ $kind == memory ]] && flags+=(--memory-every 1)
+  [[ $kind == budget ]] && flags+=(--memory-every 100 --memory-budget 0.03)
   [[ $kind == torchrun ]] && flags=("${twin_model[@]}" --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples")
   local start=$EPOCHREALTIME
   start_node 1 "$dir" "" "$kind" "${flags[@]}"
@@ -140,7 +143,7 @@ run() {
 
 echo "bench/goodput.sh: $(nproc) cores, 2 simulated nodes x 2, a node lost every $period s" \
   "(in turn: node ${lost_nodes[*]}; torchrun: node 2)"
-kinds=(disk memory)
+kinds=(disk memory budget)
 if /usr/bin/python3 -c "import torch.distributed.run" 2>/dev/null; then
   kinds+=(torchrun)
 else
