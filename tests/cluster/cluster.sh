@@ -22,6 +22,7 @@
 #                                freeze with SIGSTOP)
 #   cluster_agent NODE PROGRAM   pid of the agent PROGRAM runs in NODE: the oldest
 #                                process running PROGRAM without RANK (not a worker)
+#                                whose parent does not (not the agent's warden)
 #   cluster_rsh                  path of an ssh stand-in for mpirun
 #                                (--mca plm_rsh_agent), which runs in the named node
 #   cluster_fail MESSAGE         FAILED: MESSAGE, the tail of each $work/*.out and
@@ -232,12 +233,26 @@ cluster_workers() {
 }
 
 cluster_agent() {
-  local i p
+  local i p parent stat start best="" best_start=0 candidates=()
   i=$(cluster_node_index "$1") || return 1
   for p in $(ip netns pids "$(cluster_ns "$cluster_id" "$i")"); do
     [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$2 "* ]] &&
-      ! tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && echo "$p"
-  done | sort -n | head -n 1
+      ! tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && candidates+=("$p")
+  done
+  # Not by the lowest pid: the agent's warden (a child of its own, with its
+  # command line and no RANK) has the lower one once the pids wrap around
+  # (pid_max is 32768 here). The agent is the oldest whose parent is none of them.
+  for p in "${candidates[@]}"; do
+    parent=$(awk '/^PPid:/ { print $2 }' "/proc/$p/status" 2>/dev/null) || continue
+    [[ " ${candidates[*]} " == *" $parent "* ]] && continue
+    stat=$(cat "/proc/$p/stat" 2>/dev/null) || continue
+    start=$(awk '{ print $20 }' <<<"${stat##*) }")  # field 22, the start time, after "pid (comm) "
+    if [[ -z $best ]] || ((start < best_start)); then
+      best=$p
+      best_start=$start
+    fi
+  done
+  [[ -z $best ]] || echo "$best"
 }
 
 cluster_rsh() {
