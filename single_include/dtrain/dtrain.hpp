@@ -14804,6 +14804,29 @@ class ddp_sharding {
 /// one small allgather, and each rank analyses the same figures alike (only
 /// rank 0 speaks).
 
+// ---- begin dtrain/detail/stats.hpp ----
+/// @file
+/// Small statistics on measured times, shared by the parts that judge them
+/// (the straggler watch, the memory tier's interval).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// The median of `values` (the lower of the two middle ones for an even
+/// count); 0 when there are none.
+inline std::int64_t median(std::vector<std::int64_t> values) {
+  if (values.empty()) return 0;
+  const auto mid = values.begin() + static_cast<std::ptrdiff_t>((values.size() - 1) / 2);
+  std::nth_element(values.begin(), mid, values.end());
+  return *mid;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/detail/stats.hpp ----
 
 #include <cstddef>
 #include <cstdint>
@@ -14895,9 +14918,6 @@ class straggler_watch {
   /// last rank (best 0.2 ms); latest: rank 4 (n1, local rank 0) 2.4 ms (15 %,
   /// slow since step 59), ..." (the 4 latest ranks; empty before the first judgement).
   [[nodiscard]] std::string window() const;
-
-  /// The median of `values` (the lower of the two middle ones for an even count).
-  [[nodiscard]] static std::int64_t median(std::vector<std::int64_t> values);
 
   /// Per rank: the steps before an exchange automatically, at most.
   static constexpr std::size_t max_every = 50;
@@ -15016,13 +15036,6 @@ DTRAIN_DETAIL_INLINE straggler_watch::straggler_watch(straggler_setting setting,
       node_(std::move(node)),
       every_(setting.every > 0 ? setting.every : 4) {
   if (size_ < 2) setting_.on = false;  // no one to wait for
-}
-
-DTRAIN_DETAIL_INLINE std::int64_t straggler_watch::median(std::vector<std::int64_t> values) {
-  if (values.empty()) return 0;
-  const auto mid = values.begin() + static_cast<std::ptrdiff_t>((values.size() - 1) / 2);
-  std::nth_element(values.begin(), mid, values.end());
-  return *mid;
 }
 
 DTRAIN_DETAIL_INLINE bool straggler_watch::step_done(std::uint64_t step) {
@@ -31926,12 +31939,6 @@ inline std::string ms_text(std::int64_t ns) {
   std::snprintf(text, sizeof text, "%.2f ms", static_cast<double>(ns) / 1e6);
   return text;
 }
-/// The median of `ns` (not empty; reordered).
-inline std::int64_t median(std::vector<std::int64_t>& ns) {
-  auto middle = ns.begin() + static_cast<std::ptrdiff_t>(ns.size() / 2);
-  std::nth_element(ns.begin(), middle, ns.end());
-  return *middle;
-}
 /// The mean of `ns` (not empty).
 inline std::int64_t mean(const std::vector<std::int64_t>& ns) {
   std::int64_t sum = 0;
@@ -31998,7 +32005,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::int64_t> memory_interval::pack() {
   // process) then counts against the copies when it is one of theirs, and
   // not at all otherwise: the interval errs on the side of the budget, and a
   // slow step among those without a copy cannot make copies look free.
-  if (!clean_ns_.empty()) baseline_ns_ = interval_detail::median(clean_ns_);
+  if (!clean_ns_.empty()) baseline_ns_ = detail::median(std::move(clean_ns_));
   if (!copy_ns_.empty() && baseline_ns_ > 0) {
     // The mean step with a copy, and the mean step after one, each against
     // a step without.

@@ -20,12 +20,6 @@ inline std::string ms_text(std::int64_t ns) {
   std::snprintf(text, sizeof text, "%.2f ms", static_cast<double>(ns) / 1e6);
   return text;
 }
-/// The median of `ns` (not empty; reordered).
-inline std::int64_t median(std::vector<std::int64_t>& ns) {
-  auto middle = ns.begin() + static_cast<std::ptrdiff_t>(ns.size() / 2);
-  std::nth_element(ns.begin(), middle, ns.end());
-  return *middle;
-}
 /// The mean of `ns` (not empty).
 inline std::int64_t mean(const std::vector<std::int64_t>& ns) {
   std::int64_t sum = 0;
@@ -92,7 +86,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::int64_t> memory_interval::pack() {
   // process) then counts against the copies when it is one of theirs, and
   // not at all otherwise: the interval errs on the side of the budget, and a
   // slow step among those without a copy cannot make copies look free.
-  if (!clean_ns_.empty()) baseline_ns_ = interval_detail::median(clean_ns_);
+  if (!clean_ns_.empty()) baseline_ns_ = detail::median(std::move(clean_ns_));
   if (!copy_ns_.empty() && baseline_ns_ > 0) {
     // The mean step with a copy, and the mean step after one, each against
     // a step without.

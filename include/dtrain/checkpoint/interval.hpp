@@ -8,6 +8,7 @@
 /// interval on every rank, so that every rank copies the same steps.
 
 #include <dtrain/config.hpp>
+#include <dtrain/detail/stats.hpp>
 #include <dtrain/error.hpp>
 
 #include <chrono>

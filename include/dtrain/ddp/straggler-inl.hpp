@@ -72,13 +72,6 @@ DTRAIN_DETAIL_INLINE straggler_watch::straggler_watch(straggler_setting setting,
   if (size_ < 2) setting_.on = false;  // no one to wait for
 }
 
-DTRAIN_DETAIL_INLINE std::int64_t straggler_watch::median(std::vector<std::int64_t> values) {
-  if (values.empty()) return 0;
-  const auto mid = values.begin() + static_cast<std::ptrdiff_t>((values.size() - 1) / 2);
-  std::nth_element(values.begin(), mid, values.end());
-  return *mid;
-}
-
 DTRAIN_DETAIL_INLINE bool straggler_watch::step_done(std::uint64_t step) {
   if (!setting_.on) return false;
   const std::int64_t t = timeline::now();

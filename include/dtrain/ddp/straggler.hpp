@@ -14,6 +14,7 @@
 #include <dtrain/config.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/timeline.hpp>
+#include <dtrain/detail/stats.hpp>
 #include <dtrain/env/environment.hpp>
 
 #include <cstddef>
@@ -106,9 +107,6 @@ class straggler_watch {
   /// last rank (best 0.2 ms); latest: rank 4 (n1, local rank 0) 2.4 ms (15 %,
   /// slow since step 59), ..." (the 4 latest ranks; empty before the first judgement).
   [[nodiscard]] std::string window() const;
-
-  /// The median of `values` (the lower of the two middle ones for an even count).
-  [[nodiscard]] static std::int64_t median(std::vector<std::int64_t> values);
 
   /// Per rank: the steps before an exchange automatically, at most.
   static constexpr std::size_t max_every = 50;
