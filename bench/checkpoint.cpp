@@ -10,7 +10,10 @@
 // each rank to a file of its own with write() and fsync(), with a barrier
 // before and after each, as the baseline. Times are rank 0's, barrier to
 // barrier, the median of the rounds. ratio = baseline / save (throughput
-// relative to raw; goal at least 0.8).
+// relative to raw; goal at least 0.8). Then the restore of each save, by a
+// checkpoint made anew (as a restarted job's), against each rank reading its
+// own file back with read(): ratio = baseline / restore (every rank checks
+// and reads the files it loads, and no other rank's).
 //
 // Table 2, a save beside training: steps of --step-ms of compute and an
 // allreduce (`--compute sleep`, the default, sleeps: a GPU computing while the
@@ -173,6 +176,21 @@ void raw_write(const std::filesystem::path& path, const std::vector<float>& data
   ::close(fd);
 }
 
+/// The restore's baseline: the bytes of a file of this rank's own, read whole.
+void raw_read(const std::filesystem::path& path, std::vector<float>& into) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) flags.fail("cannot open " + path.string());
+  char* p = reinterpret_cast<char*>(into.data());
+  std::size_t left = into.size() * sizeof(float);
+  while (left > 0) {
+    const ::ssize_t r = ::read(fd, p, left);
+    if (r <= 0) flags.fail("cannot read " + path.string());
+    p += r;
+    left -= static_cast<std::size_t>(r);
+  }
+  ::close(fd);
+}
+
 /// CPU work for about `ms` milliseconds (a training step's compute).
 void spin(double ms) {
   const auto until = clock_type::now() + std::chrono::duration<double, std::milli>(ms);
@@ -275,20 +293,26 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   std::filesystem::create_directories(dir);
   if (main) {
     std::printf("bench/checkpoint: %d ranks (Gloo), directory %s\n\n", ctx.size(), dir.c_str());
-    std::printf("| state per rank | raw write + fsync | dtrain save | ratio (raw / save) |\n");
-    std::printf("| ---: | ---: | ---: | ---: |\n");
+    std::printf(
+        "| state per rank | raw write + fsync | dtrain save | ratio (raw / save) | raw read | "
+        "dtrain restore | ratio (raw / restore) |\n");
+    std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   }
   for (std::size_t mib : s.sizes_mib) {
     std::vector<float> state(mib * (1u << 20) / sizeof(float), static_cast<float>(ctx.rank()));
     dtrain::checkpoint ckpt(
         ctx, {.dir = dir / ("table1-" + std::to_string(mib)), .keep = 1, .quiet = true});
     ckpt.add("state", state, dtrain::checkpoint_scope::per_rank);
-    std::vector<double> raw, saved;
+    // A restore reads it back into another array, by a checkpoint made anew
+    // (a restarted job's), against each rank reading its own file back.
+    std::vector<float> back(state.size());
+    std::vector<double> raw, saved, raw_back, restored;
     for (int round = 0; round < s.rounds; ++round) {
       state[0] = static_cast<float>(round);
+      const std::filesystem::path raw_file = dir / ("raw-" + std::to_string(ctx.rank()) + ".bin");
       ctx.barrier();
       auto start = clock_type::now();
-      raw_write(dir / ("raw-" + std::to_string(ctx.rank()) + ".bin"), state);
+      raw_write(raw_file, state);
       ctx.barrier();
       raw.push_back(seconds_since(start));
       start = clock_type::now();
@@ -296,13 +320,29 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       ckpt.save();
       ctx.barrier();
       saved.push_back(seconds_since(start));
+      start = clock_type::now();
+      raw_read(raw_file, back);
+      ctx.barrier();
+      raw_back.push_back(seconds_since(start));
+      dtrain::checkpoint again(
+          ctx, {.dir = dir / ("table1-" + std::to_string(mib)), .keep = 1, .quiet = true});
+      again.add("state", back, dtrain::checkpoint_scope::per_rank);
+      ctx.barrier();
+      start = clock_type::now();
+      const auto step = again.restore();
+      ctx.barrier();
+      restored.push_back(seconds_since(start));
+      if (!step || back != state) flags.fail("the restore did not give back the state saved");
     }
     std::filesystem::remove(dir / ("raw-" + std::to_string(ctx.rank()) + ".bin"));
     if (main) {
-      const double r = median(raw), d = median(saved);
-      std::printf("| %zu MiB | %.1f ms (%.0f MiB/s) | %.1f ms (%.0f MiB/s) | %.2f |\n", mib,
-                  1e3 * r, static_cast<double>(mib) * ctx.size() / r, 1e3 * d,
-                  static_cast<double>(mib) * ctx.size() / d, r / d);
+      const double r = median(raw), d = median(saved), rr = median(raw_back), dr = median(restored);
+      const double all = static_cast<double>(mib) * ctx.size();
+      std::printf(
+          "| %zu MiB | %.1f ms (%.0f MiB/s) | %.1f ms (%.0f MiB/s) | %.2f | %.1f ms (%.0f MiB/s) | "
+          "%.1f ms (%.0f MiB/s) | %.2f |\n",
+          mib, 1e3 * r, all / r, 1e3 * d, all / d, r / d, 1e3 * rr, all / rr, 1e3 * dr, all / dr,
+          rr / dr);
       std::fflush(stdout);
     }
   }

@@ -589,6 +589,110 @@ TEST_CASE("checkpoint: a sharded entry is re-cut for another world size, by ever
 }
 
 TEST_CASE(
+    "checkpoint: a re-cut reads only the old ranks' parts that hold this rank's elements, and "
+    "each rank checks the files it loads") {
+  namespace ckpt = dtrain::detail::ckpt;
+  scratch_dir dir;
+  constexpr std::uint64_t total = 1000;
+  // Saved by 4 ranks at steps 1 and 2 (old rank r holds [250 r, 250 (r + 1))).
+  auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> mine(total / 4);
+    const auto ranges = cut(rank, 4, total, 0);
+    std::int64_t counter = 0;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .every = 1, .keep = 2, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+    c.add("counter", counter);
+    for (int step = 1; step <= 2; ++step) {
+      counter = step;
+      for (const auto& r : ranges) {
+        for (std::uint64_t k = 0; k < r.count; ++k)
+          mine[r.local + k] = whole_value(r.global + k) + static_cast<float>(step);
+      }
+      c.step();
+    }
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  // Step 2's part of old rank 3 is damaged in its values.
+  const fs::path step2 = dir.path / "step-2";
+  const fs::path damaged = step2 / ckpt::rank_part_name(3);
+  flip_byte(damaged, fs::file_size(damaged) - 5);
+  // Rank 0 of 2 ([0, 500)) reads the parts of old ranks 0 and 1 only, and
+  // finds nothing wrong: it neither checks nor reads the damaged one. Rank 1
+  // of 2 needs it, and says it is damaged.
+  const ckpt::manifest m = ckpt::read_manifest(step2);
+  const auto path_of = [&](const std::string& name) { return step2 / name; };
+  for (const int rank : {0, 1}) {
+    CAPTURE(rank);
+    std::vector<float> mine(total / 2);
+    std::int64_t counter = 0, steps = 0;
+    ckpt::registry entries(rank, 1);  // as dtrain::checkpoint registers them
+    entries.add_values("dtrain.step", {&steps, 1, dtrain::dtype::int64, dtrain::memory::host},
+                       dtrain::checkpoint_scope::replicated, {});
+    entries.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)),
+                        cut(rank, 2, total, 0), total);
+    entries.add_values("counter",
+                       {&counter, sizeof counter, dtrain::dtype::uint8, dtrain::memory::host},
+                       dtrain::checkpoint_scope::replicated, {});
+    CHECK(entries.needs(step2 / ckpt::rank_part_name(2 * rank)));
+    CHECK(entries.needs(step2 / ckpt::rank_part_name(2 * rank + 1)));
+    CHECK_FALSE(entries.needs(step2 / ckpt::rank_part_name(2 * (1 - rank))));
+    if (rank == 0) {
+      const std::vector<fs::path> files = entries.check(m, path_of, step2, 2);
+      CHECK(files == std::vector<fs::path>{step2 / ckpt::replicated_name,
+                                           step2 / ckpt::rank_part_name(0),
+                                           step2 / ckpt::rank_part_name(1)});
+    } else {
+      CHECK_THROWS_WITH_AS(static_cast<void>(entries.check(m, path_of, step2, 2)),
+                           doctest::Contains((damaged.string() + " has checksum").c_str()),
+                           ckpt::damaged_part);
+    }
+  }
+  // A job of 2 skips step 2 for step 1 on every rank (rank 1 found it damaged);
+  // so does a job of 4, whose rank 3 alone reads that part.
+  for (const int size : {2, 4}) {
+    CAPTURE(size);
+    failures = on_ranks(size, [&](dtrain::control_plane plane, int rank) {
+      const auto ranges = cut(rank, size, total, 0);
+      std::vector<float> mine(total / static_cast<std::uint64_t>(size));
+      std::int64_t counter = 0;
+      dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+      c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+      c.add("counter", counter);
+      CHECK(c.restore() == 1u);
+      CHECK(counter == 1);
+      bool same = true;
+      for (const auto& r : ranges) {
+        for (std::uint64_t k = 0; k < r.count; ++k)
+          same = same && mine[r.local + k] == whole_value(r.global + k) + 1.0f;
+      }
+      CHECK(same);
+    });
+    for (const auto& f : failures) CHECK(f == "");
+  }
+  // Every step damaged: none is loaded, nothing changed, and the restore
+  // fails on every rank rather than start afresh (whose first save would
+  // remove them), saying so.
+  const fs::path step1_part = dir.path / "step-1" / ckpt::rank_part_name(0);
+  flip_byte(step1_part, fs::file_size(step1_part) - 5);
+  failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> mine(total / 2, -3.0f);
+    std::int64_t counter = -3;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), cut(rank, 2, total, 0),
+                  total);
+    c.add("counter", counter);
+    CHECK_THROWS_WITH_AS(static_cast<void>(c.restore()),
+                         doctest::Contains("could be loaded (the newest is step-2"),
+                         dtrain::checkpoint_error);
+    CHECK(counter == -3);
+    CHECK(std::ranges::count(mine, -3.0f) == static_cast<std::ptrdiff_t>(mine.size()));
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  CHECK(fs::exists(dir.path / "step-1"));
+  CHECK(fs::exists(dir.path / "step-2"));
+}
+
+TEST_CASE(
     "ddp agreement: rank 0's values reach every rank through windows smaller than a parameter") {
   // (Here for its ranks over a store: DDP's construction broadcasts so, 64 MiB at a time.)
   const auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
@@ -1746,18 +1850,51 @@ TEST_CASE("checkpoint: a node's ranks write the replicated part in slices, joine
   }
 }
 
-TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the training goes on") {
+TEST_CASE(
+    "checkpoint: a memory directory that cannot be used stops every rank at construction, and "
+    "no directory at all with memory_every too") {
   scratch_dir disk, memory;
   const fs::path blocked = memory.path / "a-file";
   std::ofstream(blocked) << "not a directory";
-  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+  auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    const fs::path dir = rank == 1 ? blocked / "memory" : memory.path / "node0";
+    CHECK_THROWS_WITH_AS(
+        dtrain::checkpoint(plane,
+                           {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = dir}),
+        doctest::Contains(("checkpoint on rank 1: the memory tier's directory " +
+                           (blocked / "memory").string() +
+                           " (checkpoint_options::memory_dir) cannot be used")
+                              .c_str()),
+        dtrain::config_error);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    CHECK_THROWS_WITH_AS(
+        dtrain::checkpoint(plane, {.dir = disk.path, .quiet = true, .memory_every = 5}),
+        doctest::Contains("memory_every is 5 and the memory tier has no directory"),
+        dtrain::config_error);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+}
+
+TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the training goes on") {
+  scratch_dir disk, memory;
+  const fs::path blocked = memory.path / "memory";
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     std::int64_t own = 0;
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .every = 2,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_dir = blocked / "memory"});
+    dtrain::checkpoint c(
+        plane,
+        {.dir = disk.path, .every = 2, .quiet = true, .memory_every = 1, .memory_dir = blocked});
     c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    // The directory goes away after the start (a tmpfs unmounted, another
+    // program's doing): a file stands where it was.
+    std::vector<std::int64_t> all(2);
+    plane.allgather(std::span<const std::int64_t>(&own, 1), all);
+    if (rank == 0) {
+      fs::remove_all(blocked);
+      std::ofstream(blocked) << "not a directory";
+    }
+    plane.allgather(std::span<const std::int64_t>(&own, 1), all);
     for (int step = 1; step <= 4; ++step) {
       own = step;
       c.step();

@@ -7,6 +7,10 @@
 #include <dtrain/checkpoint/checkpoint.hpp>
 #include <dtrain/env/variables.hpp>
 
+#include <system_error>
+
+#include <unistd.h>
+
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint_options options,
@@ -45,6 +49,19 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   if (o.dir.empty()) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
+  }
+  {
+    // A directory that cannot be made (a file in its path) fails now, not
+    // at the first save, after a restore that found nothing there.
+    std::error_code ec;
+    std::filesystem::create_directories(o.dir, ec);
+    if (!ec && !std::filesystem::is_directory(o.dir, ec))
+      ec = std::make_error_code(std::errc::not_a_directory);
+    if (ec) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                         ": checkpoint_options::dir " + o.dir.string() +
+                         " cannot be made a directory: " + ec.message());
+    }
   }
   if (o.keep < 1) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
@@ -91,9 +108,29 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
     } catch (const config_error& e) {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
     }
+    // A directory this rank cannot use fails now, on every rank, not at the first copy.
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (!ec && !std::filesystem::is_directory(dir, ec))
+      ec = std::make_error_code(std::errc::not_a_directory);
+    if (!ec && ::access(dir.c_str(), W_OK | X_OK) != 0) ec = {errno, std::generic_category()};
+    if (ec) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                         ": the memory tier's directory " + dir + " (" +
+                         (o.memory_dir.empty() ? std::string(memory_checkpoint_variable)
+                                               : std::string("checkpoint_options::memory_dir")) +
+                         ") cannot be used: " + ec.message());
+    }
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
         given(o.memory_held, memory_held_variable), round);
+  } else if (o.memory_every > 0) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_every is " + std::to_string(o.memory_every) +
+                       " and the memory tier has no directory: run under dtrun (its node agent "
+                       "sets " +
+                       std::string(memory_checkpoint_variable) +
+                       "), or set checkpoint_options::memory_dir");
   }
   // The metrics file: a directory that cannot take it fails now, on every rank.
   if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
@@ -175,37 +212,67 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   // name: nothing on disk is read then), else the disk's, checked.
   if (memory_ && context_.options.memory_every > 0) {
     if (const std::int64_t on_disk = disk_.newest_by_name(); on_disk != -2) {
-      if (const auto step = memory_->newest(on_disk, entries_)) {
-        load(*memory_, *step);
+      if (const auto step = memory_->newest(on_disk, entries_); step && load(*memory_, *step)) {
         interval_.reset(*step);
         return step;
+      }  // (a copy whose files are damaged was said to be skipped: the disk's)
+    }    // else the disk's own look below says why it cannot be read
+  }
+  // Rank 0 picks the newest step by its manifest and its files' sizes; each
+  // rank checks the checksums of the files it loads. A step with a damaged
+  // file is skipped for the one before it.
+  std::optional<std::uint64_t> before;
+  for (;;) {
+    const auto step = disk_.newest_before(-1, before);
+    if (!step) {
+      // Committed steps that are all damaged are not a fresh start: the
+      // first save would remove them (steps numbered after it are stale).
+      if (const std::int64_t named = disk_.newest_by_name(); named >= 0) {
+        throw checkpoint_error(
+            "checkpoint: no committed step in " + context_.options.dir.string() +
+            " could be loaded (the newest is step-" + std::to_string(named) +
+            "; each was skipped for the reason said" +
+            (context_.options.quiet ? ", with checkpoint_options::quiet off" : "") +
+            "): mend them, or move them away to start from the beginning");
       }
-    }  // else the disk's own look below says why it cannot be read
+      context_.say("no checkpoint in " + context_.options.dir.string() +
+                   ": starting from the beginning");
+      interval_.reset(static_cast<std::uint64_t>(steps_));
+      return std::nullopt;
+    }
+    if (load(disk_, *step)) {
+      interval_.reset(*step);
+      return step;
+    }
+    before = *step;
   }
-  const auto step = disk_.newest(-1, entries_);
-  if (!step) {
-    context_.say("no checkpoint in " + context_.options.dir.string() +
-                 ": starting from the beginning");
-    interval_.reset(static_cast<std::uint64_t>(steps_));
-    return std::nullopt;
-  }
-  load(disk_, *step);
-  interval_.reset(*step);
-  return step;
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t step) {
+DTRAIN_DETAIL_INLINE bool checkpoint::load(detail::ckpt::tier& t, std::uint64_t step) {
   const std::string what = "load " + t.where(step).string();
   std::vector<std::filesystem::path> files;
   std::string problem;
   bool ok = true;
+  bool damaged = false;
   try {
     files = t.files(step, entries_);
+  } catch (const detail::ckpt::damaged_part& e) {
+    damaged = true;
+    problem = e.what();
   } catch (const std::exception& e) {
     ok = false;
     problem = e.what();
   }
+  // State that does not fit what a rank registered ends the restore on every
+  // rank; a damaged file (some rank's) skips the step.
   agree(ok, problem, what);
+  const verdict files_whole = gather_verdict(
+      context_.plane,
+      damaged ? problem + " (rank " + std::to_string(context_.plane.rank()) + ")" : "");
+  if (!files_whole.ok()) {
+    context_.say(files_whole.first_problem + "; skipped");
+    return false;
+  }
   try {
     entries_.load(files);
   } catch (const std::exception& e) {
@@ -215,6 +282,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
   agree(ok, problem, what);
   steps_ = static_cast<std::int64_t>(step);
   context_.say(t.resumed(step));
+  return true;
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {

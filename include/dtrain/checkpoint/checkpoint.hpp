@@ -323,7 +323,9 @@ class checkpoint {
   void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
-  void load(detail::ckpt::tier& t, std::uint64_t step);
+  /// False, said, and nothing changed, when a file some rank reads is
+  /// damaged (detail::ckpt::damaged_part): the step is to be skipped.
+  bool load(detail::ckpt::tier& t, std::uint64_t step);
   /// Every rank together: the options that make the ranks save and copy at
   /// the same steps, compared across the ranks; empty when they are the same
   /// everywhere, else the problem (naming rank 0's and the first that differs).

@@ -17,14 +17,23 @@ namespace dtrain {
 
 DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
     const std::filesystem::path& dir, std::vector<std::string>* skipped) {
-  const auto steps = detail::ckpt::committed_steps(dir);
+  return detail::ckpt::newest_whole(dir, skipped, std::nullopt, true);
+}
+
+namespace detail::ckpt {
+
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> newest_whole(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped,
+    std::optional<std::uint64_t> before, bool contents) {
+  const auto steps = committed_steps(dir);
   for (const auto& [step, path] : steps) {
+    if (before && step >= *before) continue;
     try {
-      const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
+      const manifest m = verify_step(path, contents);
       if (m.step != step) {
-        throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
-                               " says step " + std::to_string(m.step) +
-                               " in a directory for step " + std::to_string(step));
+        throw checkpoint_error("checkpoint: " + (path / manifest_name).string() + " says step " +
+                               std::to_string(m.step) + " in a directory for step " +
+                               std::to_string(step));
       }
       return checkpoint_found{step, path, m.world_size};
     } catch (const checkpoint_error& e) {
@@ -33,8 +42,6 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
   }
   return std::nullopt;
 }
-
-namespace detail::ckpt {
 
 DTRAIN_DETAIL_INLINE disk_tier::disk_tier(tier_context& context)
     : tier(context), cleaner_([&context](const std::string& line) { context.say(line); }) {}
@@ -89,13 +96,20 @@ DTRAIN_DETAIL_INLINE std::int64_t disk_tier::newest_by_name() {
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> disk_tier::newest(std::int64_t floor,
                                                                     const registry& entries) {
   static_cast<void>(entries);  // the step is chosen by its files; load() checks the entries
+  return newest_before(floor, std::nullopt);
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> disk_tier::newest_before(
+    std::int64_t floor, std::optional<std::uint64_t> before) {
   constexpr std::int64_t failed = -2;
   std::int64_t chosen = -1;
   std::string problem;
   if (context_.plane.rank() == 0) {
     try {
       std::vector<std::string> skipped;
-      const auto found = latest_checkpoint(context_.options.dir, &skipped);
+      // Sizes only: each rank checks the checksums of the files it loads
+      // (registry::check()), so that no rank reads every rank's part.
+      const auto found = newest_whole(context_.options.dir, &skipped, before, false);
       for (const std::string& line : skipped) context_.say(line);
       if (found) chosen = static_cast<std::int64_t>(found->step);
     } catch (const std::exception& e) {

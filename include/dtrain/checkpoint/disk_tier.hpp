@@ -32,6 +32,14 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
 
 namespace detail::ckpt {
 
+/// latest_checkpoint()'s look: the newest committed step in `dir` older than
+/// `before` (any when nullopt) whose manifest reads and whose files are all
+/// there at its sizes, and (`contents`) of its checksums, which reads every
+/// file whole.
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> newest_whole(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped,
+    std::optional<std::uint64_t> before, bool contents);
+
 /// The shared directory's tier (the file's comment).
 class disk_tier final : public tier {
  public:
@@ -44,9 +52,15 @@ class disk_tier final : public tier {
     return {context_.plane.rank() == 0, {}, std::string(replicated_name)};
   }
   /// Rank 0 checks the steps, newest first, naming each one skipped; all hear
-  /// its choice. Throws checkpoint_error on every rank when it cannot read the directory.
+  /// its choice. It checks the manifest and the files' sizes: their checksums
+  /// are checked by the ranks that load them (files()), a step whose files
+  /// are damaged is then skipped for the one before (checkpoint::restore()).
+  /// Throws checkpoint_error on every rank when it cannot read the directory.
   [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
                                                     const registry& entries) override;
+  /// newest(), of the steps older than `before` (any: nullopt).
+  [[nodiscard]] std::optional<std::uint64_t> newest_before(std::int64_t floor,
+                                                           std::optional<std::uint64_t> before);
   /// The newest committed step by its name alone (nothing read), as rank 0
   /// sees it, on every rank: -1 for none, -2 when rank 0 cannot read the
   /// directory (a restore's own look says why).

@@ -267,8 +267,8 @@ DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view n
   file.write_value(bytes);
 }
 
-DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path)
-    : path_(std::move(path)) {
+DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path, bool checksummed)
+    : path_(std::move(path)), checksummed_(checksummed) {
   fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd_) fail_os("cannot open", path_, errno);
   struct ::stat st {};
@@ -297,11 +297,19 @@ DTRAIN_DETAIL_INLINE void checked_reader::read(void* out, std::uint64_t n, std::
       throw checkpoint_error("checkpoint: " + path_.string() + " ended early at byte " +
                              std::to_string(offset_) + " (changed while being read?)");
     }
-    checksum_.update(into, static_cast<std::size_t>(r));
+    if (checksummed_) checksum_.update(into, static_cast<std::size_t>(r));
     offset_ += static_cast<std::uint64_t>(r);
     n -= static_cast<std::uint64_t>(r);
     if (dst) dst += r;
   }
+}
+
+DTRAIN_DETAIL_INLINE void checked_reader::skip(std::uint64_t n, std::string_view what) {
+  if (n > size_ - offset_) read(nullptr, n, what);  // throws: truncated
+  if (n == 0) return;
+  const auto to = static_cast<::off_t>(offset_ + n);
+  if (::lseek(fd_.get(), to, SEEK_SET) != to) fail_os("cannot seek in", path_, errno);
+  offset_ += n;
 }
 
 DTRAIN_DETAIL_INLINE void checked_reader::malformed(const std::string& why) const {
@@ -309,8 +317,9 @@ DTRAIN_DETAIL_INLINE void checked_reader::malformed(const std::string& why) cons
                          why + " (at byte " + std::to_string(offset_) + ")");
 }
 
-DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink) {
-  checked_reader in(path);
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink,
+                                             bool checksummed) {
+  checked_reader in(path, checksummed);
   std::array<char, magic.size()> head{};
   in.read(head.data(), head.size(), "the magic");
   if (std::string_view(head.data(), head.size()) != magic) in.malformed("its magic is wrong");
@@ -355,7 +364,7 @@ DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, 
     in.malformed(std::to_string(in.size() - in.offset()) + " bytes after the last entry");
   }
   out.bytes = in.size();
-  out.checksum = in.checksum();
+  out.checksum = checksummed ? in.checksum() : 0;
   return out;
 }
 
@@ -467,9 +476,23 @@ DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path
   return got;
 }
 
-DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir) {
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir, bool contents) {
   manifest m = read_manifest(step_dir);
-  for (const file_record& f : m.files) static_cast<void>(read_checked_part(step_dir / f.name, f));
+  for (const file_record& f : m.files) {
+    const std::filesystem::path file = step_dir / f.name;
+    if (contents) {
+      static_cast<void>(read_checked_part(file, f));
+      continue;
+    }
+    struct ::stat st {};
+    if (::stat(file.c_str(), &st) != 0) fail_os("cannot open", file, errno);
+    if (const auto bytes = static_cast<std::uint64_t>(st.st_size); bytes != f.bytes) {
+      throw checkpoint_error(
+          "checkpoint: " + file.string() +
+          (bytes < f.bytes ? " is truncated: it has " : " is overwritten: it has ") +
+          std::to_string(bytes) + " bytes, its manifest says " + std::to_string(f.bytes));
+    }
+  }
   return m;
 }
 

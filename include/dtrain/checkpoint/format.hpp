@@ -153,6 +153,14 @@ DTRAIN_DETAIL_INLINE void sync_directory(const std::filesystem::path& dir);
 DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
                                       const std::filesystem::path& to);
 
+/// A file of a checkpoint that cannot be read, or does not hold what its
+/// manifest says (missing, truncated, corrupt): the step is skipped for the
+/// one before, where a program's own state that does not fit ends the restore.
+class damaged_part : public checkpoint_error {
+ public:
+  using checkpoint_error::checkpoint_error;
+};
+
 /// What a written file is: its size and checksum, as the manifest lists it.
 struct file_record {
   std::string name;
@@ -238,7 +246,8 @@ struct part_contents {
 /// Sequential reads that checksum what they read and know where they are.
 class checked_reader {
  public:
-  explicit checked_reader(std::filesystem::path path);
+  /// `checksummed` false: reads without the checksum (of a file checked before).
+  explicit checked_reader(std::filesystem::path path, bool checksummed = true);
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
   [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_.value(); }
@@ -246,6 +255,10 @@ class checked_reader {
   /// Reads exactly n bytes into out (nullptr: checksummed and dropped); a
   /// file that ends first is "truncated" (naming what was being read).
   void read(void* out, std::uint64_t n, std::string_view what);
+  /// Moves n bytes on without reading them (a seek): the checksum no longer
+  /// covers the file, and checksum() is not to be used after it. For a look at
+  /// a file's structure (registry::needs()), not for a check.
+  void skip(std::uint64_t n, std::string_view what);
   template <class T>
   T value(std::string_view what) {
     T v{};
@@ -259,6 +272,7 @@ class checked_reader {
   unique_fd fd_;
   std::uint64_t size_ = 0, offset_ = 0;
   checksum64 checksum_;
+  bool checksummed_ = true;
 };
 
 /// What read_part hands each entry's payload to: any callable
@@ -283,7 +297,10 @@ class part_sink {
 
 /// Reads the whole part file: its structure and its checksum. Each entry's
 /// payload is handed to sink(header, reader) to read (exactly header.bytes).
-DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink);
+/// `checksummed` false: without the checksum (0), for a file whose checksum
+/// was checked already (registry::load() after registry::check()).
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink,
+                                             bool checksummed = true);
 /// The same with every payload read and dropped.
 DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path);
 
@@ -315,9 +332,11 @@ DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path
                                                      const file_record& record);
 
 /// Checks a committed step directory against its manifest: every listed file
-/// present, of its size and checksum. Returns the manifest; throws
-/// checkpoint_error naming the first file that is wrong.
-DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir);
+/// present, of its size, and (`contents`) of its checksum, which reads it
+/// whole. Returns the manifest; throws checkpoint_error naming the first file
+/// that is wrong.
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir,
+                                          bool contents = true);
 
 }  // namespace dtrain::detail::ckpt
 

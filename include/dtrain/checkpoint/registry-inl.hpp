@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 
 namespace dtrain::detail::ckpt {
 
@@ -226,10 +227,27 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
                                std::to_string(world_size) + "; its per-rank state (" + names +
                                ") cannot be re-cut for another world size");
       }
+      // The old ranks' parts that hold some of this rank's elements (their
+      // headers read, not their values): the others are neither checked nor
+      // read, so that a re-cut reads about (old ranks / new ranks + 1) parts
+      // here, not every one. The kept parts' ranges must hold every element.
+      std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> cover;
+      const auto sharded = [this](const std::string& name) {
+        const auto it = std::ranges::find(entries_, name, &entry::name);
+        return it != entries_.end() && it->kind == entry_kind::sharded;
+      };
+      bool can_tell = true;
       for (int r = 0; r < m.world_size; ++r) {
-        if (!listed_parts || m.find(rank_part_name(r)))
-          wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+        const std::string name = rank_part_name(r);
+        if (listed_parts && !m.find(name)) continue;
+        const saved_ranges ranges = part_ranges(path_of(name), sharded);
+        if (!needs(ranges)) continue;
+        if (!ranges) can_tell = false;  // damaged: its check below names it
+        for (const auto& [entry_name, held] : ranges ? *ranges : decltype(cover){})
+          std::ranges::copy(held, std::back_inserter(cover[entry_name]));
+        wanted.emplace_back(name, checkpoint_scope::per_rank);
       }
+      if (can_tell) check_cover(cover);
     } else {
       wanted.emplace_back(rank_part_name(rank_), checkpoint_scope::per_rank);
     }
@@ -242,7 +260,12 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
     if (!record)
       throw checkpoint_error("checkpoint: " + (where / manifest_name).string() + " lists no " +
                              name);
-    const part_contents got = read_checked_part(path, *record);
+    part_contents got;
+    try {
+      got = read_checked_part(path, *record);
+    } catch (const checkpoint_error& e) {
+      throw damaged_part(e.what());
+    }
     std::vector<bool> matched(got.entries.size(), false);
     for (const entry& e : entries_) {
       if (e.scope != scope) continue;
@@ -282,59 +305,122 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
 }
 
 DTRAIN_DETAIL_INLINE void registry::apply(const std::filesystem::path& path) {
-  read_part(path, [&](const entry_header& h, checked_reader& in) {
-    const auto it = std::ranges::find(entries_, h.name, &entry::name);
-    if (it == entries_.end()) {
-      in.read(nullptr, h.bytes, "entry '" + h.name + "'");
-      return;
-    }
-    if (it->kind == entry_kind::bytes) {
-      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-      it->load(bytes);
-    } else if (it->kind == entry_kind::sharded) {
-      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-      recut(*it, bytes, path);
-    } else {
-      in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
-    }
-  });
+  // (check() read its checksum: this pass reads the values alone.)
+  read_part(
+      path,
+      [&](const entry_header& h, checked_reader& in) {
+        const auto it = std::ranges::find(entries_, h.name, &entry::name);
+        if (it == entries_.end()) {
+          in.skip(h.bytes, "entry '" + h.name + "'");
+          return;
+        }
+        if (it->kind == entry_kind::bytes) {
+          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+          it->load(bytes);
+        } else if (it->kind == entry_kind::sharded) {
+          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+          recut(*it, bytes, path);
+        } else {
+          in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
+        }
+      },
+      false);
+}
+
+DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
+    const std::filesystem::path& path, const std::function<bool(const std::string&)>& sharded) {
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> out;
+  try {
+    static_cast<void>(read_part(
+        path,
+        [&](const entry_header& h, checked_reader& in) {
+          std::uint64_t left = h.bytes;
+          // A sharded payload: the whole's size, the number of ranges, the ranges
+          // (global index, count), then their values (registry::sharded_payload()).
+          if (h.kind == entry_kind::sharded && left >= 16 && sharded(h.name)) {
+            std::array<std::uint64_t, 2> head{};
+            in.read(head.data(), 16, "entry '" + h.name + "'");
+            left -= 16;
+            if (head[1] > left / 16)
+              in.malformed("entry '" + h.name + "' is not a sharded payload");
+            std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
+            in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
+            left -= 16 * head[1];
+            auto& into = out[h.name];
+            for (std::size_t r = 0; r < ranges.size(); r += 2) {
+              into.emplace_back(ranges[r], std::min(ranges[r + 1], UINT64_MAX - ranges[r]));
+            }
+          }
+          in.skip(left, "entry '" + h.name + "'");
+        },
+        false));
+  } catch (const std::exception&) {
+    return std::nullopt;  // a damaged part: the check of the part names it
+  }
+  return out;
 }
 
 DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
-  bool needed = false;
-  try {
-    static_cast<void>(read_part(part, [&](const entry_header& h, checked_reader& in) {
-      std::uint64_t left = h.bytes;
-      const auto it = std::ranges::find(entries_, h.name, &entry::name);
-      // A sharded payload: the whole's size, the number of ranges, the ranges
-      // (global index, count), then their values (sharded_payload()).
-      if (!needed && it != entries_.end() && it->kind == entry_kind::sharded && left >= 16) {
-        std::array<std::uint64_t, 2> head{};
-        in.read(head.data(), 16, "entry '" + h.name + "'");
-        left -= 16;
-        if (head[1] > left / 16) {
-          needed = true;  // not a sharded payload: load() says so
-        } else {
-          std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
-          in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
-          left -= 16 * head[1];
-          for (std::size_t r = 0; r < ranges.size() && !needed; r += 2) {
-            const std::uint64_t lo = ranges[r];
-            const std::uint64_t hi = lo + std::min(ranges[r + 1], UINT64_MAX - lo);
-            for (const shard_range& mine : it->ranges) {
-              if (std::max(lo, mine.global) < std::min(hi, mine.global + mine.count)) needed = true;
-            }
-          }
+  return needs(part_ranges(part, [this](const std::string& name) {
+    const auto it = std::ranges::find(entries_, name, &entry::name);
+    return it != entries_.end() && it->kind == entry_kind::sharded;
+  }));
+}
+
+DTRAIN_DETAIL_INLINE bool registry::needs(const saved_ranges& ranges) const {
+  if (!ranges) return true;  // it cannot tell: the part's check says why
+  for (const auto& [name, held] : *ranges) {
+    const auto it = std::ranges::find(entries_, name, &entry::name);
+    if (it == entries_.end() || it->kind != entry_kind::sharded) continue;
+    for (const auto& [lo, count] : held) {
+      for (const shard_range& mine : it->ranges) {
+        if (std::max(lo, mine.global) < std::min(lo + count, mine.global + mine.count)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t registry::union_size(
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> got) {
+  std::ranges::sort(got);
+  std::uint64_t size = 0;
+  std::uint64_t reached = 0;
+  for (const auto& [lo, hi] : got) {
+    const std::uint64_t from = std::max(lo, reached);
+    if (hi > from) size += hi - from;
+    reached = std::max(reached, hi);
+  }
+  return size;
+}
+
+DTRAIN_DETAIL_INLINE void registry::check_cover(
+    const std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>& saved)
+    const {
+  for (const entry& e : entries_) {
+    if (e.kind != entry_kind::sharded) continue;
+    std::uint64_t needed = 0;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> got;  // of this rank's elements
+    for (const shard_range& mine : e.ranges) {
+      needed += mine.count;
+      if (const auto it = saved.find(e.name); it != saved.end()) {
+        for (const auto& [lo, count] : it->second) {
+          const std::uint64_t from = std::max(lo, mine.global);
+          const std::uint64_t to = std::min(lo + count, mine.global + mine.count);
+          if (from < to) got.emplace_back(from, to);
         }
       }
-      in.read(nullptr, left, "entry '" + h.name + "'");
-    }));
-  } catch (const std::exception&) {
-    return true;  // a damaged part: load() names it
+    }
+    const std::uint64_t have = union_size(std::move(got));
+    if (have != needed) {
+      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                             "': the checkpoint's ranks held " + std::to_string(have) + " of the " +
+                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
+                             " holds now (saved with another cut of the same whole?)");
+    }
   }
-  return needed;
 }
 
 DTRAIN_DETAIL_INLINE void registry::recut(entry& e, std::string_view payload,
@@ -368,17 +454,8 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
     std::uint64_t needed = 0;
     for (const shard_range& r : e.ranges) needed += r.count;
     // Saved ranges may overlap (every rank held everything): count each element once.
-    std::uint64_t got = 0;
-    if (auto it = recut_.find(e.name); it != recut_.end()) {
-      auto intervals = it->second;
-      std::ranges::sort(intervals);
-      std::uint64_t reached = 0;
-      for (const auto& [lo, hi] : intervals) {
-        const std::uint64_t from = std::max(lo, reached);
-        if (hi > from) got += hi - from;
-        reached = std::max(reached, hi);
-      }
-    }
+    const auto it = recut_.find(e.name);
+    const std::uint64_t got = it == recut_.end() ? 0 : union_size(it->second);
     if (got != needed) {
       throw checkpoint_error("checkpoint: sharded entry '" + e.name +
                              "': the checkpoint's ranks held " + std::to_string(got) + " of the " +

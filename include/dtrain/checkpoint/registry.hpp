@@ -62,6 +62,18 @@ struct part_snapshot {
   bool reads_live = false;         // a record points at an entry's live memory
 };
 
+/// The ranges a saved rank part holds of each sharded entry, by name:
+/// (global first element, count). nullopt when the part cannot be read.
+using saved_ranges =
+    std::optional<std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>>;
+
+/// Reads the ranges of the sharded payloads of the part at `path` (those of
+/// entries `sharded(name)` says are sharded): their headers only, seeking over
+/// the values, so that it costs a few small reads per entry and not the
+/// part's size. Nothing is checked against the checksum: a part then read is.
+DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
+    const std::filesystem::path& path, const std::function<bool(const std::string&)>& sharded);
+
 /// The entries one rank registered with its checkpoint, in the order added.
 class registry {
  public:
@@ -101,12 +113,14 @@ class registry {
   static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at
-  /// path_of(name), checked: each file's size and checksum, and every entry
-  /// against the registered ones; `where` names the copy in errors.
-  /// `world_size`: this job's (sharded entries are re-cut from every rank's
-  /// part when the checkpoint's differs; other per-rank state cannot be;
-  /// `listed_parts`: from the rank parts `m` lists, which may be fewer, as
-  /// needs() chose them).
+  /// path_of(name), checked: each file's size and checksum (a file that does
+  /// not match throws damaged_part), and every entry against the registered
+  /// ones (checkpoint_error); `where` names the copy in errors.
+  /// `world_size`: this job's (sharded entries are re-cut from the old ranks'
+  /// parts that hold some of this rank's elements, needs(), when the
+  /// checkpoint's differs: the others are not read; other per-rank state
+  /// cannot be re-cut; `listed_parts`: from the rank parts `m` lists, which
+  /// may be fewer, as the memory tier chose them).
   [[nodiscard]] std::vector<std::filesystem::path> check(
       const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
       const std::filesystem::path& where, int world_size, bool listed_parts = false) const;
@@ -115,6 +129,8 @@ class registry {
   /// none of a part that holds none. True when it cannot tell (load() then
   /// says what is wrong with it).
   [[nodiscard]] bool needs(const std::filesystem::path& part) const;
+  /// The same from the ranges a part holds (part_ranges()).
+  [[nodiscard]] bool needs(const saved_ranges& ranges) const;
   /// Reads checked `files` into the entries (each sharded entry must get
   /// every element this rank holds), then runs the after_restore hooks.
   void load(const std::vector<std::filesystem::path>& files);
@@ -149,6 +165,14 @@ class registry {
   void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
   /// After every part is read: each sharded entry got every element this rank holds.
   void check_recut() const;
+  /// Throws, as check_recut(), unless `saved` (the ranges of the parts this
+  /// rank will read, by entry) hold every element of its sharded entries.
+  void check_cover(
+      const std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>& saved)
+      const;
+  /// Of the global intervals `got` (the parts of this rank's elements it got,
+  /// overlapping or not), how many elements, each counted once.
+  static std::uint64_t union_size(std::vector<std::pair<std::uint64_t, std::uint64_t>> got);
 
   int rank_ = 0;
   int copy_threads_ = 1;
