@@ -120,20 +120,23 @@ def azureml(job, ips):
     per_node = dist.get("process_count_per_instance", 1)
     user = list((job.get("environment_variables") or {}).items())
     argv = ["bash", "-c", job["command"]]
+    # A multi-node job is an Azure Batch multi-instance task: AZ_BATCH_MASTER_NODE
+    # is node 0's address and a port of the Batch service's own (6000 in Azure's
+    # list of its variables), which no job may use: dtrain takes the address only.
+    batch = [("AZ_BATCH_MASTER_NODE", f"{ips[0]}:6000")] if nodes > 1 else []
     if dist["type"] == "pytorch":
         pods = []
         for node in range(nodes):
             for local in range(per_node):
                 env = user + [("MASTER_ADDR", ips[0]), ("MASTER_PORT", "6105"),
                     ("WORLD_SIZE", str(nodes * per_node)), ("RANK", str(node * per_node + local)),
-                    ("LOCAL_RANK", str(local)), ("NODE_RANK", str(node))]
+                    ("LOCAL_RANK", str(local)), ("NODE_RANK", str(node))] + batch
                 pods.append((node + 1, argv, merged(env)))
         return pods, {}, None
     if dist["type"] == "mpi":
         # Azure ML runs mpirun itself: process_count_per_instance on each node, the
         # job's variables exported, AZ_BATCH_MASTER_NODE on every node of a multi-node job.
-        master = [("AZ_BATCH_MASTER_NODE", f"{ips[0]}:6105")] if nodes > 1 else \
-                 [("AZ_BATCHAI_MPI_MASTER_NODE", ips[0])]
+        master = batch if nodes > 1 else [("AZ_BATCHAI_MPI_MASTER_NODE", ips[0])]
         mpi = {"np": nodes * per_node, "per_node": per_node, "nodes": nodes}
         return [(1, argv, merged(user + master))], {}, mpi
     raise SystemExit(f"recipes.py: distribution type {dist['type']!r} is not modelled")

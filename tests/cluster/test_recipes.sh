@@ -17,9 +17,10 @@
 #   mpijob            mpijob.yaml: the launcher's command on a third node with the
 #                     operator's hostfile and OMPI_MCA_* (workers by service name)
 #   azureml_pytorch   azureml-pytorch.yml: its command in every process Azure ML starts
-#                     (PyTorch distribution: MASTER_ADDR, MASTER_PORT=6105, RANK, ...)
+#                     (PyTorch distribution: MASTER_ADDR, MASTER_PORT=6105, RANK, ...,
+#                     and AZ_BATCH_MASTER_NODE=node1:6000, whose port is not used)
 #   azureml_mpi       azureml-mpi.yml: its command under mpirun (MPI distribution:
-#                     OMPI_COMM_WORLD_*, AZ_BATCH_MASTER_NODE=node1:6105)
+#                     OMPI_COMM_WORLD_*, AZ_BATCH_MASTER_NODE=node1:6000, Batch's own port)
 #
 # What stands in for the cluster, and only that, is the test's: the ssh and srun
 # stand-ins, Open MPI's interface and ssh settings (OMPI_MCA_*, as root), the names

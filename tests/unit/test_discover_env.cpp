@@ -54,7 +54,7 @@ TEST_CASE(
     "env://: an Azure ML PyTorch per-process job (NODE_RANK, MASTER_PORT=6105, no "
     "LOCAL_WORLD_SIZE)") {
   environment env{{"AZUREML_RUN_ID", "exp_1700000000_abcd"},
-                  {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6105"},
+                  {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6000"},  // its port: Azure Batch's own
                   {"MASTER_ADDR", "10.0.0.4"},
                   {"MASTER_PORT", "6105"},
                   {"WORLD_SIZE", "16"},
@@ -147,6 +147,50 @@ TEST_CASE("env://: errors name every variable involved and its value") {
                         {"LOCAL_WORLD_SIZE", "2"},
                         {"GROUP_WORLD_SIZE", "1"}}) ==
         "WORLD_SIZE=4 is not LOCAL_WORLD_SIZE=2 workers per node times GROUP_WORLD_SIZE=1 nodes");
+  // Without a local size or a node count (Azure ML's PyTorch jobs), still below the world size.
+  CHECK(discover_error({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "8"}}) ==
+        "LOCAL_RANK=8 is not below WORLD_SIZE=8");
+  CHECK(discover_error({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"NODE_RANK", "9"}}) ==
+        "NODE_RANK=9 is not below WORLD_SIZE=8");
+  // MASTER_ADDR is a host: a port is MASTER_PORT's; an IPv6 address loses its brackets.
+  CHECK(discover_error({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.4:6105"}}) ==
+        "MASTER_ADDR=10.0.0.4:6105 is not a host name or an address (a port goes in MASTER_PORT)");
+  CHECK(discover_error({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "[fd00::4]:6105"}}) ==
+        "MASTER_ADDR=[fd00::4]:6105 is not a host name or an address (a port goes in "
+        "MASTER_PORT)");
+  CHECK(discover({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "[fd00::4]"}}).master_addr ==
+        "fd00::4");
+  CHECK(discover({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "fd00::4"}}).master_addr ==
+        "fd00::4");
+}
+
+TEST_CASE(
+    "Azure ML's Lightning recipe under MPI: WORLD_SIZE, LOCAL_RANK and NODE_RANK without RANK "
+    "agree with OMPI_COMM_WORLD_*") {
+  // The guide's set_environment_variables_for_mpi(): no RANK; MASTER_PORT its own.
+  const environment recipe{{"OMPI_COMM_WORLD_RANK", "5"},
+                           {"OMPI_COMM_WORLD_SIZE", "8"},
+                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+                           {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6000"},
+                           {"MASTER_ADDR", "10.0.0.4"},
+                           {"MASTER_PORT", "6105"},
+                           {"MASTER_ADDRESS", "10.0.0.4"},
+                           {"NODE_RANK", "1"},
+                           {"LOCAL_RANK", "1"},
+                           {"WORLD_SIZE", "8"}};
+  const auto w = discover(recipe);
+  CHECK(w.source == launcher::open_mpi);
+  CHECK(w.rank == 5);
+  CHECK(w.world_size == 8);
+  CHECK(w.node_rank == 1);
+  CHECK(w.master_addr == "10.0.0.4");
+  CHECK(w.master_port == 6105);
+  CHECK(discover_error(recipe.with("WORLD_SIZE", "16")) ==
+        "OMPI_COMM_WORLD_SIZE=8 and WORLD_SIZE=16 disagree about the world size");
+  // With no launcher, WORLD_SIZE alone is still an error.
+  CHECK(discover_error({{"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}}) ==
+        "WORLD_SIZE=8 is set but RANK is not; the launcher sets both");
 }
 
 TEST_CASE("Hugging Face: --local_rank on argv supplies or must agree with LOCAL_RANK") {

@@ -91,31 +91,46 @@ TEST_CASE("as many nodes as processes: one process per node, and the node rank i
 }
 
 TEST_CASE(
-    "Azure ML MPI job: master from AZ_BATCH_MASTER_NODE, or AZ_BATCHAI_MPI_MASTER_NODE on one "
-    "node") {
-  auto multi = open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4:6105");
+    "Azure ML MPI job: the master's address from AZ_BATCH_MASTER_NODE (not its port, Azure "
+    "Batch's own), or AZ_BATCHAI_MPI_MASTER_NODE on one node, and MASTER_ADDR and MASTER_PORT "
+    "win") {
+  // Azure Batch's example value: its port is the Batch service's, which no job may use.
+  auto multi = open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4:6000");
   auto w = discover(multi);
   CHECK(w.master_addr == "10.0.0.4");
-  CHECK(w.master_port == 6105);
-  CHECK(w.origin(dtrain::world::field::master_addr) == "AZ_BATCH_MASTER_NODE=10.0.0.4:6105");
+  CHECK_FALSE(w.master_port.has_value());  // the job's default, not 6000
+  CHECK(w.origin(dtrain::world::field::master_addr) == "AZ_BATCH_MASTER_NODE=10.0.0.4:6000");
+  CHECK(discover(open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4"))
+            .master_addr == "10.0.0.4");
 
-  // The guide's scripts copy it into MASTER_ADDR / MASTER_PORT: they agree.
-  auto copied = multi.with("MASTER_ADDR", "10.0.0.4").with("MASTER_PORT", "6105");
-  CHECK(discover(copied).master_port == 6105);
+  // DeepSpeed's and Azure ML's recipes: MASTER_ADDR from it, MASTER_PORT of their own (6105).
+  auto recipe = multi.with("MASTER_ADDR", "10.0.0.4").with("MASTER_PORT", "6105");
+  w = discover(recipe);
+  CHECK(w.master_addr == "10.0.0.4");
+  CHECK(w.master_port == 6105);
+  CHECK(w.origin(dtrain::world::field::master_port) == "MASTER_PORT=6105");
+  CHECK(w.notes.find("AZ_BATCH") == std::string::npos);
+
+  // An inner launcher's MASTER_ADDR (torchrun's host name) names the master, with a note.
+  w = discover(multi.with("MASTER_ADDR", "node-0").with("MASTER_PORT", "29400"));
+  CHECK(w.master_addr == "node-0");
+  CHECK(w.master_port == 29400);
+  CHECK_CONTAINS(w.notes,
+                 "MASTER_ADDR=node-0 names the master, not AZ_BATCH_MASTER_NODE=10.0.0.4:6000");
 
   auto single = open_mpi_rank_5_of_8_by_node().with("AZ_BATCHAI_MPI_MASTER_NODE", "10.0.0.4");
   w = discover(single);
   CHECK(w.master_addr == "10.0.0.4");
   CHECK_FALSE(w.master_port.has_value());
   CHECK(discover(single.with("MASTER_PORT", "54965")).master_port == 54965);
+  // Both Azure variables: the multi-node one.
+  CHECK(discover(multi.with("AZ_BATCHAI_MPI_MASTER_NODE", "node-0")).master_addr == "10.0.0.4");
 
-  CHECK(discover_error(multi.with("MASTER_ADDR", "10.0.0.9")) ==
-        "MASTER_ADDR=10.0.0.9 and AZ_BATCH_MASTER_NODE=10.0.0.4:6105 disagree about the master "
-        "address");
-  CHECK(discover_error(multi.with("MASTER_PORT", "29500")) ==
-        "MASTER_PORT=29500 and AZ_BATCH_MASTER_NODE=10.0.0.4:6105 disagree about the master port");
-  CHECK(discover_error(open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4")) ==
-        "AZ_BATCH_MASTER_NODE=10.0.0.4 has no port; expected addr:port");
+  CHECK(discover_error(open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", ":6000")) ==
+        "AZ_BATCH_MASTER_NODE=:6000 has an empty host");
+  CHECK_CONTAINS(
+      discover_error(open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4:x")),
+      "AZ_BATCH_MASTER_NODE=10.0.0.4:x");
 }
 
 TEST_CASE(
@@ -153,7 +168,7 @@ TEST_CASE("Open MPI per-node launch: one agent per node, OMPI_COMM_WORLD_RANK is
   environment agent_env{
       {"OMPI_COMM_WORLD_RANK", "2"},       {"OMPI_COMM_WORLD_SIZE", "3"},
       {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
-      {"OMPI_COMM_WORLD_NODE_RANK", "0"},  {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6105"}};
+      {"OMPI_COMM_WORLD_NODE_RANK", "0"},  {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6000"}};
   auto w = discover_agent(agent_env, {.nproc_per_node = 8});
   CHECK(w.role == dtrain::process_role::node_agent);
   CHECK(w.source == launcher::open_mpi);
@@ -163,6 +178,7 @@ TEST_CASE("Open MPI per-node launch: one agent per node, OMPI_COMM_WORLD_RANK is
   CHECK(w.world_size == 24);
   CHECK_FALSE(w.rank.has_value());
   CHECK(w.master_addr == "10.0.0.4");
+  CHECK_FALSE(w.master_port.has_value());  // the agent's default, not Azure Batch's port
   CHECK(w.origin(dtrain::world::field::node_rank) == "OMPI_COMM_WORLD_RANK=2");
 
   CHECK(discover_agent(agent_env.with("NODE_RANK", "2"), {}).node_rank == 2);

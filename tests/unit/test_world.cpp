@@ -11,7 +11,8 @@ TEST_CASE(
                      {"OMPI_COMM_WORLD_SIZE", "4"},
                      {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                     {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6105"}});
+                     {"AZ_BATCH_MASTER_NODE", "10.0.0.4:6000"},
+                     {"MASTER_PORT", "6105"}});
   CHECK(
       dtrain::to_json(w) ==
       R"({"rank":1,"world_size":4,"local_rank":1,"local_world_size":2,"node_rank":null,"num_nodes":null,)"

@@ -56,9 +56,10 @@ DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, s
   return primary;
 }
 
-DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
-                                      const observation& primary) {
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary,
+                                      std::string& notes) {
   auto m = read_explicit_master(env);
+  if (!m.note.empty()) notes += (notes.empty() ? "" : "; ") + m.note;
   auto addr = m.addr ? m.addr : primary.fallback_addr;
   auto port = m.port ? m.port : primary.fallback_port;
   if (addr) {
@@ -100,6 +101,10 @@ DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
   check_below(field::rank, field::world_size);
   check_below(field::local_rank, field::local_world_size);
   check_below(field::node_rank, field::num_nodes);
+  // Without a local size or a node count (Azure ML's PyTorch jobs set
+  // neither), a local rank or node rank is at least below the world size.
+  check_below(field::local_rank, field::world_size);
+  check_below(field::node_rank, field::world_size);
   if (ls && ws && ls->value > ws->value) {
     throw config_error(ls->origin + " is larger than " + ws->origin);
   }
@@ -136,6 +141,10 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
 
   observation o;
   if (launchers.empty()) {
+    if (loose.world_size_alone) {
+      throw config_error(loose.world_size_alone->origin +
+                         " is set but RANK is not; the launcher sets both");
+    }
     if (loose[field::node_rank] && loose[field::node_rank]->value != 0) {
       throw config_error(
           loose[field::node_rank]->origin +
@@ -156,11 +165,12 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
   // Loose variables (LOCAL_RANK, NODE_RANK, ... without RANK) must agree with the launcher.
   if (!loose.is_launcher()) {
     for (std::size_t f = 0; f < count_fields; ++f) agree(o, field(f), loose.counts[f]);
+    agree(o, field::world_size, loose.world_size_alone);
   }
   agree(o, field::local_rank, read_argv_local_rank(args));
   complete_and_check(o);
   world w = to_world(o);
-  fill_master(w, env, o);
+  fill_master(w, env, o, notes);
   return w;
 }
 
@@ -229,10 +239,11 @@ DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
                          " (max_world_size)");
     }
     node[field::world_size] = sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
+    agree(node, field::world_size, loose.world_size_alone);  // a recipe's WORLD_SIZE: the workers
   }
   complete_and_check(node);
   world w = to_world(node);
-  fill_master(w, env, node);
+  fill_master(w, env, node, notes);
   return w;
 }
 }  // namespace detail

@@ -58,7 +58,10 @@ DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& 
 /// (torchrun under srun, a node agent under mpirun), and is then not used.
 DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
 
-DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
+/// The master's address and port (read_explicit_master(), else the
+/// launcher's own); a note on which was used is added to `notes`.
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary,
+                                      std::string& notes);
 
 inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
   return lower.origin + " is not below " + upper.origin;

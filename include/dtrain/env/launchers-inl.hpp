@@ -24,7 +24,15 @@ DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation
 DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   observation o;
   o.source = launcher::env;
-  read_rank_and_size(env, o, "RANK", "WORLD_SIZE");
+  o[field::rank] = read_int(env, "RANK");
+  if (auto size = read_int(env, "WORLD_SIZE"); size && !o[field::rank]) {
+    o.world_size_alone = std::move(size);  // the launcher's must agree (discover_*)
+  } else if (!size && o[field::rank]) {
+    throw config_error(o[field::rank]->origin +
+                       " is set but WORLD_SIZE is not; the launcher sets both");
+  } else {
+    o[field::world_size] = std::move(size);
+  }
   o[field::local_rank] = read_int(env, "LOCAL_RANK");
   o[field::local_world_size] = read_int(env, "LOCAL_WORLD_SIZE");
   o[field::node_rank] = read_int(env, "GROUP_RANK");  // torchrun's name for the node index
@@ -287,15 +295,41 @@ DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
 
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
-  agree(m.addr, read_text(env, "MASTER_ADDR"), "the master address");
-  m.port = read_port(env, "MASTER_PORT");
-  if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
-    auto hp = split_host_port(batch->origin, batch->value);
-    if (!hp.port) throw config_error(batch->origin + " has no port; expected addr:port");
-    agree(m.addr, sourced_text{hp.host, batch->origin}, "the master address");
-    agree(m.port, sourced_int{*hp.port, batch->origin}, "the master port");
+  m.addr = read_text(env, "MASTER_ADDR");
+  if (m.addr) {
+    // A host name or an address, as torch takes it: no port (MASTER_PORT's),
+    // an IPv6 address with or without its brackets.
+    std::string& a = m.addr->value;
+    if (a.size() > 2 && a.front() == '[' && a.back() == ']') a = a.substr(1, a.size() - 2);
+    const std::size_t colon = a.find(':');
+    if (a.find_first_of("[]") != std::string::npos ||
+        (colon != std::string::npos && a.find(':', colon + 1) == std::string::npos)) {
+      throw config_error(m.addr->origin +
+                         " is not a host name or an address (a port goes in MASTER_PORT)");
+    }
   }
-  agree(m.addr, read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"), "the master address");
+  m.port = read_port(env, "MASTER_PORT");
+  // Azure's: the address only. AZ_BATCH_MASTER_NODE's port is the Batch
+  // service's own ("do not use the port specified here for MPI or NCCL
+  // communication ... use the variable MASTER_PORT instead": Azure Batch's
+  // list of its variables), as DeepSpeed's and Azure ML's own recipes take it.
+  // MASTER_ADDR, set by the launcher inside the Azure job (torchrun, Azure
+  // ML's PyTorch jobs, a recipe), wins: it may name the same host otherwise.
+  std::optional<sourced_text> azure;
+  if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
+    const std::string& v = batch->value;
+    if (v.front() != '[' && std::ranges::count(v, ':') > 1) {
+      throw config_error(batch->origin + ": an IPv6 address with a port is written [address]:port");
+    }
+    azure = sourced_text{split_host_port(batch->origin, v).host, batch->origin};
+  } else {
+    azure = read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE");
+  }
+  if (azure && !m.addr) {
+    m.addr = azure;
+  } else if (azure && m.addr->value != azure->value) {
+    m.note = m.addr->origin + " names the master, not " + azure->origin + " (the Azure job's)";
+  }
   return m;
 }
 

@@ -13,6 +13,7 @@
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <initializer_list>
@@ -50,6 +51,10 @@ struct observation {
   std::optional<sourced_int> fallback_port;
   process_role role = process_role::worker;
   std::string note;
+  // env:// only: WORLD_SIZE without RANK, as Azure ML's Lightning recipe sets
+  // it beside OMPI_COMM_WORLD_*: a loose variable that must agree with the
+  // launcher, and an error when there is none.
+  std::optional<sourced_int> world_size_alone;
 
   std::optional<sourced_int>& operator[](field f) { return counts[static_cast<std::size_t>(f)]; }
   const std::optional<sourced_int>& operator[](field f) const {
@@ -118,12 +123,15 @@ DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std:
 /// evaluator tasks get their role and no rank.
 DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
 
-/// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
-/// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
-/// (addr, single node). Every source that is set must agree.
+/// The master named outright: MASTER_ADDR / MASTER_PORT; without
+/// MASTER_ADDR, the address of Azure's AZ_BATCH_MASTER_NODE (addr:port,
+/// multi-node: its port is Azure Batch's own, never used) or else
+/// AZ_BATCHAI_MPI_MASTER_NODE (addr, single node). `note`: MASTER_ADDR and
+/// Azure's address differ (MASTER_ADDR is used).
 struct explicit_master {
   std::optional<sourced_text> addr;
   std::optional<sourced_int> port;
+  std::string note{};
 };
 
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);

@@ -99,7 +99,7 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
                                    "the node rank", &detail::parse_non_negative)
             ->value;
   }
-  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
+  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and MASTER_PORT.
   if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
     detail::check_rdzv_backend(backend->origin, backend->value);
   }
@@ -111,9 +111,10 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
     detail::agree(port, at, "node 0's port");
   }
   if (addr || port) {
-    const detail::explicit_master named = detail::read_explicit_master(env);
-    detail::agree(addr, named.addr, "node 0's address");
-    detail::agree(port, named.port, "node 0's port");
+    // (Not against Azure's AZ_BATCH_MASTER_NODE: the outer job's, which
+    // MASTER_ADDR overrides too; its port is never used: read_explicit_master().)
+    detail::agree(addr, detail::read_text(env, "MASTER_ADDR"), "node 0's address");
+    detail::agree(port, detail::read_port(env, "MASTER_PORT"), "node 0's port");
     if (addr) out.master_addr = addr->value;
     if (port) out.master_port = port->value;
   }

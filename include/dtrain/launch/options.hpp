@@ -157,7 +157,7 @@ struct agent_options {
   /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
   /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
   /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
-  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
+  /// MASTER_ADDR and MASTER_PORT (over Azure's AZ_BATCH_MASTER_NODE), PET_RDZV_BACKEND (c10d
   /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
   /// value, or both variables when two that are set disagree.
   [[nodiscard]] agent_options with_env(const environment& env) const;

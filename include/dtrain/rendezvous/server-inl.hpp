@@ -58,8 +58,9 @@ DTRAIN_DETAIL_INLINE void store_server::listen_on(int port) {
     int err = errno;
     throw rendezvous_error(
         "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
-        (err == EADDRINUSE ? " (another store or program holds the port: "
-                             "pick another MASTER_PORT, or port 0 for a free one)"
+        (err == EADDRINUSE ? " (another store or program holds the port: pick another "
+                             "MASTER_PORT; dtrun and dtrain::run take a free one on one node "
+                             "when none is given)"
                            : ""));
   }
   DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
