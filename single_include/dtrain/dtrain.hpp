@@ -3622,8 +3622,8 @@ class shm_segment {
       //    the previous chunk before it announced that chunk reduced.
       std::memcpy(slot<T>(me), own, lo * sizeof(T));
       std::memcpy(slot<T>(me) + hi, own + hi, (n - hi) * sizeof(T));
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::allreduce, dtype_of<T>, op, count), deadline, timeout, c,
+             chunks);
       // 2. This rank's part, over every rank's data in rank order, into the
       //    result slot and into `out` (in place too: nobody reads this part
       //    of `in` after this). Every rank finished copying the previous
@@ -3675,8 +3675,8 @@ class shm_segment {
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(slot<T>(me) + q * n, in + q * block + offset, n * sizeof(T));
       }
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::reduce_scatter, dtype_of<T>, op, block), deadline, timeout,
+             c, chunks);
       // 2. This rank's block, over every rank's data in rank order.
       const auto from = [&](std::size_t q) {
         return q == me ? in + me * block + offset : slot<T>(q) + me * n;
@@ -3722,8 +3722,8 @@ class shm_segment {
       // 1. This rank's chunk into its slot. Every rank finished reading the
       //    slots of the previous chunk before it announced that chunk copied out.
       std::memcpy(slot<unsigned char>(me), from + offset, n);
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::allgather, dtype::uint8, reduce_op::sum, bytes), deadline,
+             timeout, c, chunks);
       // 2. Every rank's chunk out (this rank's own from `in`, unless it is there already).
       for (std::size_t q = 0; q < ranks; ++q) {
         unsigned char* place = to + q * bytes + offset;
@@ -3765,8 +3765,8 @@ class shm_segment {
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(slot<unsigned char>(me) + q * n, from + q * block + offset, n);
       }
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::alltoall, dtype::uint8, reduce_op::sum, block), deadline,
+             timeout, c, chunks);
       // 2. What every other rank put there for this one.
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(to + q * block + offset, slot<unsigned char>(q) + me * n, n);
@@ -3788,11 +3788,25 @@ class shm_segment {
     std::atomic<std::uint32_t> value{0};
     std::atomic<std::uint32_t> sleepers{0};
   };
-  /// One rank's progress: the last chunk it copied in, and the last it reduced.
+  /// One rank's progress: the last chunk it copied in, and the last it
+  /// reduced; and what it called (shape_word()), written before `arrived`.
   struct rank_flags {
     flag arrived;
     flag reduced;
+    std::atomic<std::uint64_t> shape{0};
   };
+  enum class collective : std::uint8_t { allreduce, reduce_scatter, allgather, alltoall };
+  /// A collective, its type, op and count (elements; bytes for allgather and
+  /// alltoall) in one word that every rank of the chunk must have alike.
+  static constexpr std::uint64_t shape_word(collective kind, dtype type, reduce_op op,
+                                            std::size_t count) noexcept {
+    return (std::uint64_t{static_cast<std::uint8_t>(kind)} << 60) |
+           (std::uint64_t{static_cast<std::uint8_t>(type)} << 52) |
+           (std::uint64_t{static_cast<std::uint8_t>(op)} << 48) |
+           (static_cast<std::uint64_t>(count) & ((std::uint64_t{1} << 48) - 1));
+  }
+  /// "allreduce(1000 x float32, sum)"
+  static std::string describe_shape(std::uint64_t shape);
   struct alignas(64) control {
     std::uint64_t magic = 0;
     std::uint64_t slot_bytes = 0;
@@ -3854,6 +3868,14 @@ class shm_segment {
 
   [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
                                   std::size_t chunks) const;
+
+  // This rank's chunk k is in its slot: says so with its `shape`, waits for
+  // every rank's, and throws shm_failure (after abandon(), so that every rank
+  // stops) when some rank called another collective, type, op or count. Where
+  // TCP's Gloo would fail on the lengths (or not at all), the slots here would
+  // be reduced as they are.
+  void arrive(std::uint32_t k, std::uint64_t shape, std::chrono::steady_clock::time_point deadline,
+              std::chrono::milliseconds timeout, std::size_t c, std::size_t chunks);
 
   void swap(shm_segment& o) noexcept;
 
@@ -4052,6 +4074,43 @@ DTRAIN_DETAIL_INLINE std::string shm_segment::where(int q, const char* phase, st
   return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
          " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
          std::to_string(c + 1) + " of " + std::to_string(chunks);
+}
+
+DTRAIN_DETAIL_INLINE std::string shm_segment::describe_shape(std::uint64_t shape) {
+  static constexpr std::string_view kinds[] = {"allreduce", "reduce_scatter", "allgather",
+                                               "alltoall", "?"};
+  const auto kind = static_cast<std::size_t>(std::min<std::uint64_t>(shape >> 60, 4));
+  const auto type = static_cast<dtype>((shape >> 52) & 0xff);
+  const auto op = static_cast<reduce_op>((shape >> 48) & 0xf);
+  const std::uint64_t count = shape & ((std::uint64_t{1} << 48) - 1);
+  const bool bytes = kind == 2 || kind == 3;
+  return std::string(kinds[kind]) + "(" + std::to_string(count) +
+         (bytes ? " bytes"
+                : " x " + std::string(to_string(type)) + ", " + std::string(to_string(op))) +
+         ")";
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::arrive(std::uint32_t k, std::uint64_t shape,
+                                              std::chrono::steady_clock::time_point deadline,
+                                              std::chrono::milliseconds timeout, std::size_t c,
+                                              std::size_t chunks) {
+  // (A rank writes its next shape only after every rank announced this
+  // chunk reduced, so after each read this one.)
+  flags(rank_).shape.store(shape, std::memory_order_relaxed);
+  publish(flags(rank_).arrived, k);
+  wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+  const std::uint64_t first = flags(0).shape.load(std::memory_order_relaxed);
+  for (int q = 1; q < size_; ++q) {
+    const std::uint64_t theirs = flags(q).shape.load(std::memory_order_relaxed);
+    if (theirs == first) continue;
+    // The same words on every rank: the same message on every rank.
+    std::string why = "shared memory: rank 0 called " + describe_shape(first) + " and rank " +
+                      std::to_string(q) + " " + describe_shape(theirs) +
+                      ": every rank must call the same collectives, with the same counts, in "
+                      "the same order";
+    abandon(why);
+    throw shm_failure(why, false);
+  }
 }
 
 DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
@@ -11973,6 +12032,7 @@ DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const pa
                                          std::string_view settings) {
   const int size = comm.size();
   std::vector<std::string> entries = model_entries(params, buffers);
+  const std::size_t model_count = entries.size();
   if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
   const std::int64_t mine[2] = {static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 2);
@@ -12031,6 +12091,12 @@ DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const pa
   comm.broadcast(text, culprit);
   const std::string theirs(reinterpret_cast<const char*>(text.data()));
   const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  if (at == model_count && !settings.empty() && at < reference.size()) {
+    throw config_error("DistributedDataParallel: the ranks' options differ: rank 0 has " + ours +
+                       "; rank " + std::to_string(culprit) + " has " + theirs +
+                       " (ranks that differ from rank 0: " + differing +
+                       "); every rank must give DistributedDataParallel the same ddp_options");
+  }
   throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
                      std::to_string(at) + ": rank 0 has " + ours + ", rank " +
                      std::to_string(culprit) + " has " + theirs +
@@ -17358,6 +17424,16 @@ class basic_ddp {
   /// The options every rank must share, compared at construction (with the model).
   std::string agreed_options() const {
     std::string agreed = shards_.agreed_options();
+    // What shapes the collectives: the buckets' cut (a rank with other caps
+    // sends other counts, which Gloo's shared memory would sum unchecked),
+    // the used-parameter counts' allreduce, and the rebuild after step 1.
+    agreed += ", ddp_options::bucket_cap_mb = " +
+              std::to_string(mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb")) +
+              " bytes, first_bucket_cap_mb = " +
+              std::to_string(mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb")) +
+              " bytes";
+    if (options_.find_unused_parameters) agreed += ", ddp_options::find_unused_parameters = true";
+    if (!options_.rebuild_buckets) agreed += ", ddp_options::rebuild_buckets = false";
     if (!pace_.setting().automatic()) agreed += ", " + pace_.setting().describe();
     if (options_.compression != gradient_compression::none)
       agreed += ", ddp_options::compression = " + std::string(to_string(options_.compression));
@@ -21314,6 +21390,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text
 #endif
 // ---- end dtrain/detail/hostlist.hpp ----
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <initializer_list>
@@ -21351,6 +21428,10 @@ struct observation {
   std::optional<sourced_int> fallback_port;
   process_role role = process_role::worker;
   std::string note;
+  // env:// only: WORLD_SIZE without RANK, as Azure ML's Lightning recipe sets
+  // it beside OMPI_COMM_WORLD_*: a loose variable that must agree with the
+  // launcher, and an error when there is none.
+  std::optional<sourced_int> world_size_alone;
 
   std::optional<sourced_int>& operator[](field f) { return counts[static_cast<std::size_t>(f)]; }
   const std::optional<sourced_int>& operator[](field f) const {
@@ -21419,12 +21500,15 @@ DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std:
 /// evaluator tasks get their role and no rank.
 DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
 
-/// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
-/// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
-/// (addr, single node). Every source that is set must agree.
+/// The master named outright: MASTER_ADDR / MASTER_PORT; without
+/// MASTER_ADDR, the address of Azure's AZ_BATCH_MASTER_NODE (addr:port,
+/// multi-node: its port is Azure Batch's own, never used) or else
+/// AZ_BATCHAI_MPI_MASTER_NODE (addr, single node). `note`: MASTER_ADDR and
+/// Azure's address differ (MASTER_ADDR is used).
 struct explicit_master {
   std::optional<sourced_text> addr;
   std::optional<sourced_int> port;
+  std::string note{};
 };
 
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);
@@ -21458,7 +21542,15 @@ DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation
 DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   observation o;
   o.source = launcher::env;
-  read_rank_and_size(env, o, "RANK", "WORLD_SIZE");
+  o[field::rank] = read_int(env, "RANK");
+  if (auto size = read_int(env, "WORLD_SIZE"); size && !o[field::rank]) {
+    o.world_size_alone = std::move(size);  // the launcher's must agree (discover_*)
+  } else if (!size && o[field::rank]) {
+    throw config_error(o[field::rank]->origin +
+                       " is set but WORLD_SIZE is not; the launcher sets both");
+  } else {
+    o[field::world_size] = std::move(size);
+  }
   o[field::local_rank] = read_int(env, "LOCAL_RANK");
   o[field::local_world_size] = read_int(env, "LOCAL_WORLD_SIZE");
   o[field::node_rank] = read_int(env, "GROUP_RANK");  // torchrun's name for the node index
@@ -21721,15 +21813,41 @@ DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
 
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
-  agree(m.addr, read_text(env, "MASTER_ADDR"), "the master address");
-  m.port = read_port(env, "MASTER_PORT");
-  if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
-    auto hp = split_host_port(batch->origin, batch->value);
-    if (!hp.port) throw config_error(batch->origin + " has no port; expected addr:port");
-    agree(m.addr, sourced_text{hp.host, batch->origin}, "the master address");
-    agree(m.port, sourced_int{*hp.port, batch->origin}, "the master port");
+  m.addr = read_text(env, "MASTER_ADDR");
+  if (m.addr) {
+    // A host name or an address, as torch takes it: no port (MASTER_PORT's),
+    // an IPv6 address with or without its brackets.
+    std::string& a = m.addr->value;
+    if (a.size() > 2 && a.front() == '[' && a.back() == ']') a = a.substr(1, a.size() - 2);
+    const std::size_t colon = a.find(':');
+    if (a.find_first_of("[]") != std::string::npos ||
+        (colon != std::string::npos && a.find(':', colon + 1) == std::string::npos)) {
+      throw config_error(m.addr->origin +
+                         " is not a host name or an address (a port goes in MASTER_PORT)");
+    }
   }
-  agree(m.addr, read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"), "the master address");
+  m.port = read_port(env, "MASTER_PORT");
+  // Azure's: the address only. AZ_BATCH_MASTER_NODE's port is the Batch
+  // service's own ("do not use the port specified here for MPI or NCCL
+  // communication ... use the variable MASTER_PORT instead": Azure Batch's
+  // list of its variables), as DeepSpeed's and Azure ML's own recipes take it.
+  // MASTER_ADDR, set by the launcher inside the Azure job (torchrun, Azure
+  // ML's PyTorch jobs, a recipe), wins: it may name the same host otherwise.
+  std::optional<sourced_text> azure;
+  if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
+    const std::string& v = batch->value;
+    if (v.front() != '[' && std::ranges::count(v, ':') > 1) {
+      throw config_error(batch->origin + ": an IPv6 address with a port is written [address]:port");
+    }
+    azure = sourced_text{split_host_port(batch->origin, v).host, batch->origin};
+  } else {
+    azure = read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE");
+  }
+  if (azure && !m.addr) {
+    m.addr = azure;
+  } else if (azure && m.addr->value != azure->value) {
+    m.note = m.addr->origin + " names the master, not " + azure->origin + " (the Azure job's)";
+  }
   return m;
 }
 
@@ -21786,7 +21904,10 @@ DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& 
 /// (torchrun under srun, a node agent under mpirun), and is then not used.
 DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
 
-DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
+/// The master's address and port (read_explicit_master(), else the
+/// launcher's own); a note on which was used is added to `notes`.
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary,
+                                      std::string& notes);
 
 inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
   return lower.origin + " is not below " + upper.origin;
@@ -21878,9 +21999,10 @@ DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, s
   return primary;
 }
 
-DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
-                                      const observation& primary) {
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary,
+                                      std::string& notes) {
   auto m = read_explicit_master(env);
+  if (!m.note.empty()) notes += (notes.empty() ? "" : "; ") + m.note;
   auto addr = m.addr ? m.addr : primary.fallback_addr;
   auto port = m.port ? m.port : primary.fallback_port;
   if (addr) {
@@ -21922,6 +22044,10 @@ DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
   check_below(field::rank, field::world_size);
   check_below(field::local_rank, field::local_world_size);
   check_below(field::node_rank, field::num_nodes);
+  // Without a local size or a node count (Azure ML's PyTorch jobs set
+  // neither), a local rank or node rank is at least below the world size.
+  check_below(field::local_rank, field::world_size);
+  check_below(field::node_rank, field::world_size);
   if (ls && ws && ls->value > ws->value) {
     throw config_error(ls->origin + " is larger than " + ws->origin);
   }
@@ -21958,6 +22084,10 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
 
   observation o;
   if (launchers.empty()) {
+    if (loose.world_size_alone) {
+      throw config_error(loose.world_size_alone->origin +
+                         " is set but RANK is not; the launcher sets both");
+    }
     if (loose[field::node_rank] && loose[field::node_rank]->value != 0) {
       throw config_error(
           loose[field::node_rank]->origin +
@@ -21978,11 +22108,12 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
   // Loose variables (LOCAL_RANK, NODE_RANK, ... without RANK) must agree with the launcher.
   if (!loose.is_launcher()) {
     for (std::size_t f = 0; f < count_fields; ++f) agree(o, field(f), loose.counts[f]);
+    agree(o, field::world_size, loose.world_size_alone);
   }
   agree(o, field::local_rank, read_argv_local_rank(args));
   complete_and_check(o);
   world w = to_world(o);
-  fill_master(w, env, o);
+  fill_master(w, env, o, notes);
   return w;
 }
 
@@ -22051,10 +22182,11 @@ DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
                          " (max_world_size)");
     }
     node[field::world_size] = sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
+    agree(node, field::world_size, loose.world_size_alone);  // a recipe's WORLD_SIZE: the workers
   }
   complete_and_check(node);
   world w = to_world(node);
-  fill_master(w, env, node);
+  fill_master(w, env, node, notes);
   return w;
 }
 }  // namespace detail
@@ -23808,8 +23940,9 @@ DTRAIN_DETAIL_INLINE void store_server::listen_on(int port) {
     int err = errno;
     throw rendezvous_error(
         "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
-        (err == EADDRINUSE ? " (another store or program holds the port: "
-                             "pick another MASTER_PORT, or port 0 for a free one)"
+        (err == EADDRINUSE ? " (another store or program holds the port: pick another "
+                             "MASTER_PORT; dtrun and dtrain::run take a free one on one node "
+                             "when none is given)"
                            : ""));
   }
   DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
@@ -25162,7 +25295,7 @@ struct agent_options {
   /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
   /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
   /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
-  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
+  /// MASTER_ADDR and MASTER_PORT (over Azure's AZ_BATCH_MASTER_NODE), PET_RDZV_BACKEND (c10d
   /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
   /// value, or both variables when two that are set disagree.
   [[nodiscard]] agent_options with_env(const environment& env) const;
@@ -25274,7 +25407,7 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
                                    "the node rank", &detail::parse_non_negative)
             ->value;
   }
-  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
+  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and MASTER_PORT.
   if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
     detail::check_rdzv_backend(backend->origin, backend->value);
   }
@@ -25286,9 +25419,10 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
     detail::agree(port, at, "node 0's port");
   }
   if (addr || port) {
-    const detail::explicit_master named = detail::read_explicit_master(env);
-    detail::agree(addr, named.addr, "node 0's address");
-    detail::agree(port, named.port, "node 0's port");
+    // (Not against Azure's AZ_BATCH_MASTER_NODE: the outer job's, which
+    // MASTER_ADDR overrides too; its port is never used: read_explicit_master().)
+    detail::agree(addr, detail::read_text(env, "MASTER_ADDR"), "node 0's address");
+    detail::agree(port, detail::read_port(env, "MASTER_PORT"), "node 0's port");
     if (addr) out.master_addr = addr->value;
     if (port) out.master_port = port->value;
   }
@@ -29659,6 +29793,14 @@ DTRAIN_DETAIL_INLINE void sync_directory(const std::filesystem::path& dir);
 DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
                                       const std::filesystem::path& to);
 
+/// A file of a checkpoint that cannot be read, or does not hold what its
+/// manifest says (missing, truncated, corrupt): the step is skipped for the
+/// one before, where a program's own state that does not fit ends the restore.
+class damaged_part : public checkpoint_error {
+ public:
+  using checkpoint_error::checkpoint_error;
+};
+
 /// What a written file is: its size and checksum, as the manifest lists it.
 struct file_record {
   std::string name;
@@ -29744,7 +29886,8 @@ struct part_contents {
 /// Sequential reads that checksum what they read and know where they are.
 class checked_reader {
  public:
-  explicit checked_reader(std::filesystem::path path);
+  /// `checksummed` false: reads without the checksum (of a file checked before).
+  explicit checked_reader(std::filesystem::path path, bool checksummed = true);
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
   [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_.value(); }
@@ -29752,6 +29895,10 @@ class checked_reader {
   /// Reads exactly n bytes into out (nullptr: checksummed and dropped); a
   /// file that ends first is "truncated" (naming what was being read).
   void read(void* out, std::uint64_t n, std::string_view what);
+  /// Moves n bytes on without reading them (a seek): the checksum no longer
+  /// covers the file, and checksum() is not to be used after it. For a look at
+  /// a file's structure (registry::needs()), not for a check.
+  void skip(std::uint64_t n, std::string_view what);
   template <class T>
   T value(std::string_view what) {
     T v{};
@@ -29765,6 +29912,7 @@ class checked_reader {
   unique_fd fd_;
   std::uint64_t size_ = 0, offset_ = 0;
   checksum64 checksum_;
+  bool checksummed_ = true;
 };
 
 /// What read_part hands each entry's payload to: any callable
@@ -29789,7 +29937,10 @@ class part_sink {
 
 /// Reads the whole part file: its structure and its checksum. Each entry's
 /// payload is handed to sink(header, reader) to read (exactly header.bytes).
-DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink);
+/// `checksummed` false: without the checksum (0), for a file whose checksum
+/// was checked already (registry::load() after registry::check()).
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink,
+                                             bool checksummed = true);
 /// The same with every payload read and dropped.
 DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path);
 
@@ -29821,9 +29972,11 @@ DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path
                                                      const file_record& record);
 
 /// Checks a committed step directory against its manifest: every listed file
-/// present, of its size and checksum. Returns the manifest; throws
-/// checkpoint_error naming the first file that is wrong.
-DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir);
+/// present, of its size, and (`contents`) of its checksum, which reads it
+/// whole. Returns the manifest; throws checkpoint_error naming the first file
+/// that is wrong.
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir,
+                                          bool contents = true);
 
 }  // namespace dtrain::detail::ckpt
 
@@ -30096,8 +30249,8 @@ DTRAIN_DETAIL_INLINE void write_entry_head(atomic_file& file, std::string_view n
   file.write_value(bytes);
 }
 
-DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path)
-    : path_(std::move(path)) {
+DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path, bool checksummed)
+    : path_(std::move(path)), checksummed_(checksummed) {
   fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd_) fail_os("cannot open", path_, errno);
   struct ::stat st {};
@@ -30126,11 +30279,19 @@ DTRAIN_DETAIL_INLINE void checked_reader::read(void* out, std::uint64_t n, std::
       throw checkpoint_error("checkpoint: " + path_.string() + " ended early at byte " +
                              std::to_string(offset_) + " (changed while being read?)");
     }
-    checksum_.update(into, static_cast<std::size_t>(r));
+    if (checksummed_) checksum_.update(into, static_cast<std::size_t>(r));
     offset_ += static_cast<std::uint64_t>(r);
     n -= static_cast<std::uint64_t>(r);
     if (dst) dst += r;
   }
+}
+
+DTRAIN_DETAIL_INLINE void checked_reader::skip(std::uint64_t n, std::string_view what) {
+  if (n > size_ - offset_) read(nullptr, n, what);  // throws: truncated
+  if (n == 0) return;
+  const auto to = static_cast<::off_t>(offset_ + n);
+  if (::lseek(fd_.get(), to, SEEK_SET) != to) fail_os("cannot seek in", path_, errno);
+  offset_ += n;
 }
 
 DTRAIN_DETAIL_INLINE void checked_reader::malformed(const std::string& why) const {
@@ -30138,8 +30299,9 @@ DTRAIN_DETAIL_INLINE void checked_reader::malformed(const std::string& why) cons
                          why + " (at byte " + std::to_string(offset_) + ")");
 }
 
-DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink) {
-  checked_reader in(path);
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink,
+                                             bool checksummed) {
+  checked_reader in(path, checksummed);
   std::array<char, magic.size()> head{};
   in.read(head.data(), head.size(), "the magic");
   if (std::string_view(head.data(), head.size()) != magic) in.malformed("its magic is wrong");
@@ -30184,7 +30346,7 @@ DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, 
     in.malformed(std::to_string(in.size() - in.offset()) + " bytes after the last entry");
   }
   out.bytes = in.size();
-  out.checksum = in.checksum();
+  out.checksum = checksummed ? in.checksum() : 0;
   return out;
 }
 
@@ -30296,9 +30458,23 @@ DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path
   return got;
 }
 
-DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir) {
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir, bool contents) {
   manifest m = read_manifest(step_dir);
-  for (const file_record& f : m.files) static_cast<void>(read_checked_part(step_dir / f.name, f));
+  for (const file_record& f : m.files) {
+    const std::filesystem::path file = step_dir / f.name;
+    if (contents) {
+      static_cast<void>(read_checked_part(file, f));
+      continue;
+    }
+    struct ::stat st {};
+    if (::stat(file.c_str(), &st) != 0) fail_os("cannot open", file, errno);
+    if (const auto bytes = static_cast<std::uint64_t>(st.st_size); bytes != f.bytes) {
+      throw checkpoint_error(
+          "checkpoint: " + file.string() +
+          (bytes < f.bytes ? " is truncated: it has " : " is overwritten: it has ") +
+          std::to_string(bytes) + " bytes, its manifest says " + std::to_string(f.bytes));
+    }
+  }
   return m;
 }
 
@@ -30565,6 +30741,18 @@ struct part_snapshot {
   bool reads_live = false;         // a record points at an entry's live memory
 };
 
+/// The ranges a saved rank part holds of each sharded entry, by name:
+/// (global first element, count). nullopt when the part cannot be read.
+using saved_ranges =
+    std::optional<std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>>;
+
+/// Reads the ranges of the sharded payloads of the part at `path` (those of
+/// entries `sharded(name)` says are sharded): their headers only, seeking over
+/// the values, so that it costs a few small reads per entry and not the
+/// part's size. Nothing is checked against the checksum: a part then read is.
+DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
+    const std::filesystem::path& path, const std::function<bool(const std::string&)>& sharded);
+
 /// The entries one rank registered with its checkpoint, in the order added.
 class registry {
  public:
@@ -30604,12 +30792,14 @@ class registry {
   static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at
-  /// path_of(name), checked: each file's size and checksum, and every entry
-  /// against the registered ones; `where` names the copy in errors.
-  /// `world_size`: this job's (sharded entries are re-cut from every rank's
-  /// part when the checkpoint's differs; other per-rank state cannot be;
-  /// `listed_parts`: from the rank parts `m` lists, which may be fewer, as
-  /// needs() chose them).
+  /// path_of(name), checked: each file's size and checksum (a file that does
+  /// not match throws damaged_part), and every entry against the registered
+  /// ones (checkpoint_error); `where` names the copy in errors.
+  /// `world_size`: this job's (sharded entries are re-cut from the old ranks'
+  /// parts that hold some of this rank's elements, needs(), when the
+  /// checkpoint's differs: the others are not read; other per-rank state
+  /// cannot be re-cut; `listed_parts`: from the rank parts `m` lists, which
+  /// may be fewer, as the memory tier chose them).
   [[nodiscard]] std::vector<std::filesystem::path> check(
       const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
       const std::filesystem::path& where, int world_size, bool listed_parts = false) const;
@@ -30618,6 +30808,8 @@ class registry {
   /// none of a part that holds none. True when it cannot tell (load() then
   /// says what is wrong with it).
   [[nodiscard]] bool needs(const std::filesystem::path& part) const;
+  /// The same from the ranges a part holds (part_ranges()).
+  [[nodiscard]] bool needs(const saved_ranges& ranges) const;
   /// Reads checked `files` into the entries (each sharded entry must get
   /// every element this rank holds), then runs the after_restore hooks.
   void load(const std::vector<std::filesystem::path>& files);
@@ -30652,6 +30844,14 @@ class registry {
   void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
   /// After every part is read: each sharded entry got every element this rank holds.
   void check_recut() const;
+  /// Throws, as check_recut(), unless `saved` (the ranges of the parts this
+  /// rank will read, by entry) hold every element of its sharded entries.
+  void check_cover(
+      const std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>& saved)
+      const;
+  /// Of the global intervals `got` (the parts of this rank's elements it got,
+  /// overlapping or not), how many elements, each counted once.
+  static std::uint64_t union_size(std::vector<std::pair<std::uint64_t, std::uint64_t>> got);
 
   int rank_ = 0;
   int copy_threads_ = 1;
@@ -30675,6 +30875,7 @@ class registry {
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 
 namespace dtrain::detail::ckpt {
 
@@ -30892,10 +31093,27 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
                                std::to_string(world_size) + "; its per-rank state (" + names +
                                ") cannot be re-cut for another world size");
       }
+      // The old ranks' parts that hold some of this rank's elements (their
+      // headers read, not their values): the others are neither checked nor
+      // read, so that a re-cut reads about (old ranks / new ranks + 1) parts
+      // here, not every one. The kept parts' ranges must hold every element.
+      std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> cover;
+      const auto sharded = [this](const std::string& name) {
+        const auto it = std::ranges::find(entries_, name, &entry::name);
+        return it != entries_.end() && it->kind == entry_kind::sharded;
+      };
+      bool can_tell = true;
       for (int r = 0; r < m.world_size; ++r) {
-        if (!listed_parts || m.find(rank_part_name(r)))
-          wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+        const std::string name = rank_part_name(r);
+        if (listed_parts && !m.find(name)) continue;
+        const saved_ranges ranges = part_ranges(path_of(name), sharded);
+        if (!needs(ranges)) continue;
+        if (!ranges) can_tell = false;  // damaged: its check below names it
+        for (const auto& [entry_name, held] : ranges ? *ranges : decltype(cover){})
+          std::ranges::copy(held, std::back_inserter(cover[entry_name]));
+        wanted.emplace_back(name, checkpoint_scope::per_rank);
       }
+      if (can_tell) check_cover(cover);
     } else {
       wanted.emplace_back(rank_part_name(rank_), checkpoint_scope::per_rank);
     }
@@ -30908,7 +31126,12 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
     if (!record)
       throw checkpoint_error("checkpoint: " + (where / manifest_name).string() + " lists no " +
                              name);
-    const part_contents got = read_checked_part(path, *record);
+    part_contents got;
+    try {
+      got = read_checked_part(path, *record);
+    } catch (const checkpoint_error& e) {
+      throw damaged_part(e.what());
+    }
     std::vector<bool> matched(got.entries.size(), false);
     for (const entry& e : entries_) {
       if (e.scope != scope) continue;
@@ -30948,59 +31171,122 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
 }
 
 DTRAIN_DETAIL_INLINE void registry::apply(const std::filesystem::path& path) {
-  read_part(path, [&](const entry_header& h, checked_reader& in) {
-    const auto it = std::ranges::find(entries_, h.name, &entry::name);
-    if (it == entries_.end()) {
-      in.read(nullptr, h.bytes, "entry '" + h.name + "'");
-      return;
-    }
-    if (it->kind == entry_kind::bytes) {
-      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-      it->load(bytes);
-    } else if (it->kind == entry_kind::sharded) {
-      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-      recut(*it, bytes, path);
-    } else {
-      in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
-    }
-  });
+  // (check() read its checksum: this pass reads the values alone.)
+  read_part(
+      path,
+      [&](const entry_header& h, checked_reader& in) {
+        const auto it = std::ranges::find(entries_, h.name, &entry::name);
+        if (it == entries_.end()) {
+          in.skip(h.bytes, "entry '" + h.name + "'");
+          return;
+        }
+        if (it->kind == entry_kind::bytes) {
+          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+          it->load(bytes);
+        } else if (it->kind == entry_kind::sharded) {
+          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+          recut(*it, bytes, path);
+        } else {
+          in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
+        }
+      },
+      false);
+}
+
+DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
+    const std::filesystem::path& path, const std::function<bool(const std::string&)>& sharded) {
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> out;
+  try {
+    static_cast<void>(read_part(
+        path,
+        [&](const entry_header& h, checked_reader& in) {
+          std::uint64_t left = h.bytes;
+          // A sharded payload: the whole's size, the number of ranges, the ranges
+          // (global index, count), then their values (registry::sharded_payload()).
+          if (h.kind == entry_kind::sharded && left >= 16 && sharded(h.name)) {
+            std::array<std::uint64_t, 2> head{};
+            in.read(head.data(), 16, "entry '" + h.name + "'");
+            left -= 16;
+            if (head[1] > left / 16)
+              in.malformed("entry '" + h.name + "' is not a sharded payload");
+            std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
+            in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
+            left -= 16 * head[1];
+            auto& into = out[h.name];
+            for (std::size_t r = 0; r < ranges.size(); r += 2) {
+              into.emplace_back(ranges[r], std::min(ranges[r + 1], UINT64_MAX - ranges[r]));
+            }
+          }
+          in.skip(left, "entry '" + h.name + "'");
+        },
+        false));
+  } catch (const std::exception&) {
+    return std::nullopt;  // a damaged part: the check of the part names it
+  }
+  return out;
 }
 
 DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
-  bool needed = false;
-  try {
-    static_cast<void>(read_part(part, [&](const entry_header& h, checked_reader& in) {
-      std::uint64_t left = h.bytes;
-      const auto it = std::ranges::find(entries_, h.name, &entry::name);
-      // A sharded payload: the whole's size, the number of ranges, the ranges
-      // (global index, count), then their values (sharded_payload()).
-      if (!needed && it != entries_.end() && it->kind == entry_kind::sharded && left >= 16) {
-        std::array<std::uint64_t, 2> head{};
-        in.read(head.data(), 16, "entry '" + h.name + "'");
-        left -= 16;
-        if (head[1] > left / 16) {
-          needed = true;  // not a sharded payload: load() says so
-        } else {
-          std::vector<std::uint64_t> ranges(2 * static_cast<std::size_t>(head[1]));
-          in.read(ranges.data(), 16 * head[1], "entry '" + h.name + "'");
-          left -= 16 * head[1];
-          for (std::size_t r = 0; r < ranges.size() && !needed; r += 2) {
-            const std::uint64_t lo = ranges[r];
-            const std::uint64_t hi = lo + std::min(ranges[r + 1], UINT64_MAX - lo);
-            for (const shard_range& mine : it->ranges) {
-              if (std::max(lo, mine.global) < std::min(hi, mine.global + mine.count)) needed = true;
-            }
-          }
+  return needs(part_ranges(part, [this](const std::string& name) {
+    const auto it = std::ranges::find(entries_, name, &entry::name);
+    return it != entries_.end() && it->kind == entry_kind::sharded;
+  }));
+}
+
+DTRAIN_DETAIL_INLINE bool registry::needs(const saved_ranges& ranges) const {
+  if (!ranges) return true;  // it cannot tell: the part's check says why
+  for (const auto& [name, held] : *ranges) {
+    const auto it = std::ranges::find(entries_, name, &entry::name);
+    if (it == entries_.end() || it->kind != entry_kind::sharded) continue;
+    for (const auto& [lo, count] : held) {
+      for (const shard_range& mine : it->ranges) {
+        if (std::max(lo, mine.global) < std::min(lo + count, mine.global + mine.count)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t registry::union_size(
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> got) {
+  std::ranges::sort(got);
+  std::uint64_t size = 0;
+  std::uint64_t reached = 0;
+  for (const auto& [lo, hi] : got) {
+    const std::uint64_t from = std::max(lo, reached);
+    if (hi > from) size += hi - from;
+    reached = std::max(reached, hi);
+  }
+  return size;
+}
+
+DTRAIN_DETAIL_INLINE void registry::check_cover(
+    const std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>>& saved)
+    const {
+  for (const entry& e : entries_) {
+    if (e.kind != entry_kind::sharded) continue;
+    std::uint64_t needed = 0;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> got;  // of this rank's elements
+    for (const shard_range& mine : e.ranges) {
+      needed += mine.count;
+      if (const auto it = saved.find(e.name); it != saved.end()) {
+        for (const auto& [lo, count] : it->second) {
+          const std::uint64_t from = std::max(lo, mine.global);
+          const std::uint64_t to = std::min(lo + count, mine.global + mine.count);
+          if (from < to) got.emplace_back(from, to);
         }
       }
-      in.read(nullptr, left, "entry '" + h.name + "'");
-    }));
-  } catch (const std::exception&) {
-    return true;  // a damaged part: load() names it
+    }
+    const std::uint64_t have = union_size(std::move(got));
+    if (have != needed) {
+      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                             "': the checkpoint's ranks held " + std::to_string(have) + " of the " +
+                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
+                             " holds now (saved with another cut of the same whole?)");
+    }
   }
-  return needed;
 }
 
 DTRAIN_DETAIL_INLINE void registry::recut(entry& e, std::string_view payload,
@@ -31034,17 +31320,8 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
     std::uint64_t needed = 0;
     for (const shard_range& r : e.ranges) needed += r.count;
     // Saved ranges may overlap (every rank held everything): count each element once.
-    std::uint64_t got = 0;
-    if (auto it = recut_.find(e.name); it != recut_.end()) {
-      auto intervals = it->second;
-      std::ranges::sort(intervals);
-      std::uint64_t reached = 0;
-      for (const auto& [lo, hi] : intervals) {
-        const std::uint64_t from = std::max(lo, reached);
-        if (hi > from) got += hi - from;
-        reached = std::max(reached, hi);
-      }
-    }
+    const auto it = recut_.find(e.name);
+    const std::uint64_t got = it == recut_.end() ? 0 : union_size(it->second);
     if (got != needed) {
       throw checkpoint_error("checkpoint: sharded entry '" + e.name +
                              "': the checkpoint's ranks held " + std::to_string(got) + " of the " +
@@ -31502,6 +31779,14 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
 
 namespace detail::ckpt {
 
+/// latest_checkpoint()'s look: the newest committed step in `dir` older than
+/// `before` (any when nullopt) whose manifest reads and whose files are all
+/// there at its sizes, and (`contents`) of its checksums, which reads every
+/// file whole.
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> newest_whole(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped,
+    std::optional<std::uint64_t> before, bool contents);
+
 /// The shared directory's tier (the file's comment).
 class disk_tier final : public tier {
  public:
@@ -31514,9 +31799,15 @@ class disk_tier final : public tier {
     return {context_.plane.rank() == 0, {}, std::string(replicated_name)};
   }
   /// Rank 0 checks the steps, newest first, naming each one skipped; all hear
-  /// its choice. Throws checkpoint_error on every rank when it cannot read the directory.
+  /// its choice. It checks the manifest and the files' sizes: their checksums
+  /// are checked by the ranks that load them (files()), a step whose files
+  /// are damaged is then skipped for the one before (checkpoint::restore()).
+  /// Throws checkpoint_error on every rank when it cannot read the directory.
   [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
                                                     const registry& entries) override;
+  /// newest(), of the steps older than `before` (any: nullopt).
+  [[nodiscard]] std::optional<std::uint64_t> newest_before(std::int64_t floor,
+                                                           std::optional<std::uint64_t> before);
   /// The newest committed step by its name alone (nothing read), as rank 0
   /// sees it, on every rank: -1 for none, -2 when rank 0 cannot read the
   /// directory (a restore's own look says why).
@@ -31569,14 +31860,23 @@ namespace dtrain {
 
 DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
     const std::filesystem::path& dir, std::vector<std::string>* skipped) {
-  const auto steps = detail::ckpt::committed_steps(dir);
+  return detail::ckpt::newest_whole(dir, skipped, std::nullopt, true);
+}
+
+namespace detail::ckpt {
+
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> newest_whole(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped,
+    std::optional<std::uint64_t> before, bool contents) {
+  const auto steps = committed_steps(dir);
   for (const auto& [step, path] : steps) {
+    if (before && step >= *before) continue;
     try {
-      const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
+      const manifest m = verify_step(path, contents);
       if (m.step != step) {
-        throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
-                               " says step " + std::to_string(m.step) +
-                               " in a directory for step " + std::to_string(step));
+        throw checkpoint_error("checkpoint: " + (path / manifest_name).string() + " says step " +
+                               std::to_string(m.step) + " in a directory for step " +
+                               std::to_string(step));
       }
       return checkpoint_found{step, path, m.world_size};
     } catch (const checkpoint_error& e) {
@@ -31585,8 +31885,6 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
   }
   return std::nullopt;
 }
-
-namespace detail::ckpt {
 
 DTRAIN_DETAIL_INLINE disk_tier::disk_tier(tier_context& context)
     : tier(context), cleaner_([&context](const std::string& line) { context.say(line); }) {}
@@ -31641,13 +31939,20 @@ DTRAIN_DETAIL_INLINE std::int64_t disk_tier::newest_by_name() {
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> disk_tier::newest(std::int64_t floor,
                                                                     const registry& entries) {
   static_cast<void>(entries);  // the step is chosen by its files; load() checks the entries
+  return newest_before(floor, std::nullopt);
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> disk_tier::newest_before(
+    std::int64_t floor, std::optional<std::uint64_t> before) {
   constexpr std::int64_t failed = -2;
   std::int64_t chosen = -1;
   std::string problem;
   if (context_.plane.rank() == 0) {
     try {
       std::vector<std::string> skipped;
-      const auto found = latest_checkpoint(context_.options.dir, &skipped);
+      // Sizes only: each rank checks the checksums of the files it loads
+      // (registry::check()), so that no rank reads every rank's part.
+      const auto found = newest_whole(context_.options.dir, &skipped, before, false);
       for (const std::string& line : skipped) context_.say(line);
       if (found) chosen = static_cast<std::int64_t>(found->step);
     } catch (const std::exception& e) {
@@ -33935,7 +34240,9 @@ class checkpoint {
   void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
-  void load(detail::ckpt::tier& t, std::uint64_t step);
+  /// False, said, and nothing changed, when a file some rank reads is
+  /// damaged (detail::ckpt::damaged_part): the step is to be skipped.
+  bool load(detail::ckpt::tier& t, std::uint64_t step);
   /// Every rank together: the options that make the ranks save and copy at
   /// the same steps, compared across the ranks; empty when they are the same
   /// everywhere, else the problem (naming rank 0's and the first that differs).
@@ -33975,6 +34282,10 @@ class checkpoint {
 /// dtrain/config.hpp). Include dtrain/checkpoint/checkpoint.hpp, not this file.
 
 
+#include <system_error>
+
+#include <unistd.h>
+
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint_options options,
@@ -34013,6 +34324,19 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   if (o.dir.empty()) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
+  }
+  {
+    // A directory that cannot be made (a file in its path) fails now, not
+    // at the first save, after a restore that found nothing there.
+    std::error_code ec;
+    std::filesystem::create_directories(o.dir, ec);
+    if (!ec && !std::filesystem::is_directory(o.dir, ec))
+      ec = std::make_error_code(std::errc::not_a_directory);
+    if (ec) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                         ": checkpoint_options::dir " + o.dir.string() +
+                         " cannot be made a directory: " + ec.message());
+    }
   }
   if (o.keep < 1) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
@@ -34059,9 +34383,29 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
     } catch (const config_error& e) {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
     }
+    // A directory this rank cannot use fails now, on every rank, not at the first copy.
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (!ec && !std::filesystem::is_directory(dir, ec))
+      ec = std::make_error_code(std::errc::not_a_directory);
+    if (!ec && ::access(dir.c_str(), W_OK | X_OK) != 0) ec = {errno, std::generic_category()};
+    if (ec) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                         ": the memory tier's directory " + dir + " (" +
+                         (o.memory_dir.empty() ? std::string(memory_checkpoint_variable)
+                                               : std::string("checkpoint_options::memory_dir")) +
+                         ") cannot be used: " + ec.message());
+    }
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
         given(o.memory_held, memory_held_variable), round);
+  } else if (o.memory_every > 0) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_every is " + std::to_string(o.memory_every) +
+                       " and the memory tier has no directory: run under dtrun (its node agent "
+                       "sets " +
+                       std::string(memory_checkpoint_variable) +
+                       "), or set checkpoint_options::memory_dir");
   }
   // The metrics file: a directory that cannot take it fails now, on every rank.
   if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
@@ -34143,37 +34487,67 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   // name: nothing on disk is read then), else the disk's, checked.
   if (memory_ && context_.options.memory_every > 0) {
     if (const std::int64_t on_disk = disk_.newest_by_name(); on_disk != -2) {
-      if (const auto step = memory_->newest(on_disk, entries_)) {
-        load(*memory_, *step);
+      if (const auto step = memory_->newest(on_disk, entries_); step && load(*memory_, *step)) {
         interval_.reset(*step);
         return step;
+      }  // (a copy whose files are damaged was said to be skipped: the disk's)
+    }    // else the disk's own look below says why it cannot be read
+  }
+  // Rank 0 picks the newest step by its manifest and its files' sizes; each
+  // rank checks the checksums of the files it loads. A step with a damaged
+  // file is skipped for the one before it.
+  std::optional<std::uint64_t> before;
+  for (;;) {
+    const auto step = disk_.newest_before(-1, before);
+    if (!step) {
+      // Committed steps that are all damaged are not a fresh start: the
+      // first save would remove them (steps numbered after it are stale).
+      if (const std::int64_t named = disk_.newest_by_name(); named >= 0) {
+        throw checkpoint_error(
+            "checkpoint: no committed step in " + context_.options.dir.string() +
+            " could be loaded (the newest is step-" + std::to_string(named) +
+            "; each was skipped for the reason said" +
+            (context_.options.quiet ? ", with checkpoint_options::quiet off" : "") +
+            "): mend them, or move them away to start from the beginning");
       }
-    }  // else the disk's own look below says why it cannot be read
+      context_.say("no checkpoint in " + context_.options.dir.string() +
+                   ": starting from the beginning");
+      interval_.reset(static_cast<std::uint64_t>(steps_));
+      return std::nullopt;
+    }
+    if (load(disk_, *step)) {
+      interval_.reset(*step);
+      return step;
+    }
+    before = *step;
   }
-  const auto step = disk_.newest(-1, entries_);
-  if (!step) {
-    context_.say("no checkpoint in " + context_.options.dir.string() +
-                 ": starting from the beginning");
-    interval_.reset(static_cast<std::uint64_t>(steps_));
-    return std::nullopt;
-  }
-  load(disk_, *step);
-  interval_.reset(*step);
-  return step;
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t step) {
+DTRAIN_DETAIL_INLINE bool checkpoint::load(detail::ckpt::tier& t, std::uint64_t step) {
   const std::string what = "load " + t.where(step).string();
   std::vector<std::filesystem::path> files;
   std::string problem;
   bool ok = true;
+  bool damaged = false;
   try {
     files = t.files(step, entries_);
+  } catch (const detail::ckpt::damaged_part& e) {
+    damaged = true;
+    problem = e.what();
   } catch (const std::exception& e) {
     ok = false;
     problem = e.what();
   }
+  // State that does not fit what a rank registered ends the restore on every
+  // rank; a damaged file (some rank's) skips the step.
   agree(ok, problem, what);
+  const verdict files_whole = gather_verdict(
+      context_.plane,
+      damaged ? problem + " (rank " + std::to_string(context_.plane.rank()) + ")" : "");
+  if (!files_whole.ok()) {
+    context_.say(files_whole.first_problem + "; skipped");
+    return false;
+  }
   try {
     entries_.load(files);
   } catch (const std::exception& e) {
@@ -34183,6 +34557,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
   agree(ok, problem, what);
   steps_ = static_cast<std::int64_t>(step);
   context_.say(t.resumed(step));
+  return true;
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {

@@ -608,6 +608,7 @@ int run_case(Context& ctx, std::string_view topology) {
       std::size_t prefetch;
       values given;
       std::string expected;
+      double bucket_cap_mb = 25;
     };
     std::vector<refusal> refusals{
         {stage::parameters, 1, values::storage,
@@ -617,13 +618,19 @@ int run_case(Context& ctx, std::string_view topology) {
                    "parameters"}};
     if (ctx.size() > 1) {
       refusals.push_back({first ? stage::parameters : stage::gradients, 1, values::pointers,
-                          "rank 0 has ddp_options::sharding = parameters, "
-                          "ddp_options::prefetch_units = 1, rank 1 has ddp_options::sharding = "
-                          "gradients"});
+                          "the ranks' options differ: rank 0 has ddp_options::sharding = "
+                          "parameters, ddp_options::prefetch_units = 1, "});
+      refusals.push_back({first ? stage::parameters : stage::gradients, 1, values::pointers,
+                          "; rank 1 has ddp_options::sharding = gradients, "});
       refusals.push_back({stage::parameters, first ? std::size_t{1} : std::size_t{2},
                           values::pointers,
-                          "ddp_options::prefetch_units = 1, rank 1 has ddp_options::sharding = "
-                          "parameters, ddp_options::prefetch_units = 2"});
+                          "; rank 1 has ddp_options::sharding = parameters, "
+                          "ddp_options::prefetch_units = 2, "});
+      // Other bucket caps would send other counts (unchecked in Gloo's shared memory).
+      refusals.push_back({stage::none, 1, values::pointers,
+                          "; rank 1 has ddp_options::sharding = none, ddp_options::bucket_cap_mb = "
+                          "524288 bytes, first_bucket_cap_mb = 1048576 bytes",
+                          first ? 25.0 : 0.5});
       // Units that differ would lay the buckets out differently.
       refusals.push_back(
           {stage::parameters, 1, values::units_on_others, "float32 on the host, unit 0)"});
@@ -635,7 +642,8 @@ int run_case(Context& ctx, std::string_view topology) {
       std::string what = "nothing was thrown";
       try {
         dtrain::DistributedDataParallel<linear_model, Policy> ddp(
-            ctx, model, {.sharding = r.mine, .prefetch_units = r.prefetch});
+            ctx, model,
+            {.bucket_cap_mb = r.bucket_cap_mb, .sharding = r.mine, .prefetch_units = r.prefetch});
       } catch (const dtrain::config_error& e) {
         what = e.what();
       }

@@ -295,6 +295,64 @@ TEST_CASE("shm: every rank ends with the same bits, reduced in rank order") {
   CHECK(g.statuses == std::vector<int>{0, 0});
 }
 
+TEST_CASE(
+    "shm: ranks that call another collective, count, type or op all stop, with one message "
+    "naming both") {
+  struct mismatch {
+    const char* what;
+    std::function<void(shm_segment&, int)> call;
+    std::string expected;
+  };
+  const std::vector<mismatch> cases{
+      {"counts",
+       [](shm_segment& s, int rank) {
+         std::vector<float> v(1000 + 10 * static_cast<std::size_t>(rank), 1.0f);
+         s.allreduce(v.data(), v.data(), v.size(), reduce_op::sum, 10s);
+       },
+       "rank 0 called allreduce(1000 x float32, sum) and rank 1 allreduce(1010 x float32, sum)"},
+      {"ops",
+       [](shm_segment& s, int rank) {
+         std::vector<float> v(64, 1.0f);
+         s.allreduce(v.data(), v.data(), v.size(), rank == 2 ? reduce_op::max : reduce_op::sum,
+                     10s);
+       },
+       "rank 0 called allreduce(64 x float32, sum) and rank 2 allreduce(64 x float32, max)"},
+      {"collectives",
+       [](shm_segment& s, int rank) {
+         std::vector<std::int32_t> v(3 * 8, 1);
+         if (rank == 1) {
+           s.allgather(v.data(), v.data(), 8 * sizeof(std::int32_t), 10s);
+         } else {
+           s.reduce_scatter(v.data(), v.data(), 8, reduce_op::sum, 10s);
+         }
+       },
+       "rank 0 called reduce_scatter(8 x int32, sum) and rank 1 allgather(32 bytes)"}};
+  for (const mismatch& m : cases) {
+    CAPTURE(m.what);
+    group g{3, {}, {}};
+    std::string message;
+    g.run([&](shm_segment& s, int rank) {
+      // A collective that agrees first: the check passes it.
+      std::vector<double> ok(5, 1.0);
+      s.allreduce(ok.data(), ok.data(), ok.size(), reduce_op::sum, 10s);
+      if (ok[4] != 3.0) return 2;
+      try {
+        m.call(s, rank);
+      } catch (const shm_failure& e) {
+        if (std::string(e.what()).find(m.expected) == std::string::npos) {
+          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+          return 3;
+        }
+        if (rank == 0) message = e.what();
+        return 0;
+      }
+      return 1;  // it went through
+    });
+    CHECK(g.statuses == std::vector<int>{0, 0});
+    CHECK_MESSAGE(message.find(m.expected) != std::string::npos, message);
+  }
+}
+
 TEST_CASE("shm: a peer that exits is reported at once, by rank, not at the timeout") {
   group g{3, {}, {}};
   std::string message;

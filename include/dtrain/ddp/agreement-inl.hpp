@@ -147,6 +147,7 @@ DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const pa
                                          std::string_view settings) {
   const int size = comm.size();
   std::vector<std::string> entries = model_entries(params, buffers);
+  const std::size_t model_count = entries.size();
   if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
   const std::int64_t mine[2] = {static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 2);
@@ -205,6 +206,12 @@ DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const pa
   comm.broadcast(text, culprit);
   const std::string theirs(reinterpret_cast<const char*>(text.data()));
   const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  if (at == model_count && !settings.empty() && at < reference.size()) {
+    throw config_error("DistributedDataParallel: the ranks' options differ: rank 0 has " + ours +
+                       "; rank " + std::to_string(culprit) + " has " + theirs +
+                       " (ranks that differ from rank 0: " + differing +
+                       "); every rank must give DistributedDataParallel the same ddp_options");
+  }
   throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
                      std::to_string(at) + ": rank 0 has " + ours + ", rank " +
                      std::to_string(culprit) + " has " + theirs +

@@ -595,6 +595,16 @@ class basic_ddp {
   /// The options every rank must share, compared at construction (with the model).
   std::string agreed_options() const {
     std::string agreed = shards_.agreed_options();
+    // What shapes the collectives: the buckets' cut (a rank with other caps
+    // sends other counts, which Gloo's shared memory would sum unchecked),
+    // the used-parameter counts' allreduce, and the rebuild after step 1.
+    agreed += ", ddp_options::bucket_cap_mb = " +
+              std::to_string(mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb")) +
+              " bytes, first_bucket_cap_mb = " +
+              std::to_string(mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb")) +
+              " bytes";
+    if (options_.find_unused_parameters) agreed += ", ddp_options::find_unused_parameters = true";
+    if (!options_.rebuild_buckets) agreed += ", ddp_options::rebuild_buckets = false";
     if (!pace_.setting().automatic()) agreed += ", " + pace_.setting().describe();
     if (options_.compression != gradient_compression::none)
       agreed += ", ddp_options::compression = " + std::string(to_string(options_.compression));

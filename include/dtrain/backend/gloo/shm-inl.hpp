@@ -182,6 +182,43 @@ DTRAIN_DETAIL_INLINE std::string shm_segment::where(int q, const char* phase, st
          std::to_string(c + 1) + " of " + std::to_string(chunks);
 }
 
+DTRAIN_DETAIL_INLINE std::string shm_segment::describe_shape(std::uint64_t shape) {
+  static constexpr std::string_view kinds[] = {"allreduce", "reduce_scatter", "allgather",
+                                               "alltoall", "?"};
+  const auto kind = static_cast<std::size_t>(std::min<std::uint64_t>(shape >> 60, 4));
+  const auto type = static_cast<dtype>((shape >> 52) & 0xff);
+  const auto op = static_cast<reduce_op>((shape >> 48) & 0xf);
+  const std::uint64_t count = shape & ((std::uint64_t{1} << 48) - 1);
+  const bool bytes = kind == 2 || kind == 3;
+  return std::string(kinds[kind]) + "(" + std::to_string(count) +
+         (bytes ? " bytes"
+                : " x " + std::string(to_string(type)) + ", " + std::string(to_string(op))) +
+         ")";
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::arrive(std::uint32_t k, std::uint64_t shape,
+                                              std::chrono::steady_clock::time_point deadline,
+                                              std::chrono::milliseconds timeout, std::size_t c,
+                                              std::size_t chunks) {
+  // (A rank writes its next shape only after every rank announced this
+  // chunk reduced, so after each read this one.)
+  flags(rank_).shape.store(shape, std::memory_order_relaxed);
+  publish(flags(rank_).arrived, k);
+  wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+  const std::uint64_t first = flags(0).shape.load(std::memory_order_relaxed);
+  for (int q = 1; q < size_; ++q) {
+    const std::uint64_t theirs = flags(q).shape.load(std::memory_order_relaxed);
+    if (theirs == first) continue;
+    // The same words on every rank: the same message on every rank.
+    std::string why = "shared memory: rank 0 called " + describe_shape(first) + " and rank " +
+                      std::to_string(q) + " " + describe_shape(theirs) +
+                      ": every rank must call the same collectives, with the same counts, in "
+                      "the same order";
+    abandon(why);
+    throw shm_failure(why, false);
+  }
+}
+
 DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
   std::swap(base_, o.base_);
   std::swap(bytes_, o.bytes_);

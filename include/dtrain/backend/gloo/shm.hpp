@@ -192,8 +192,8 @@ class shm_segment {
       //    the previous chunk before it announced that chunk reduced.
       std::memcpy(slot<T>(me), own, lo * sizeof(T));
       std::memcpy(slot<T>(me) + hi, own + hi, (n - hi) * sizeof(T));
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::allreduce, dtype_of<T>, op, count), deadline, timeout, c,
+             chunks);
       // 2. This rank's part, over every rank's data in rank order, into the
       //    result slot and into `out` (in place too: nobody reads this part
       //    of `in` after this). Every rank finished copying the previous
@@ -245,8 +245,8 @@ class shm_segment {
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(slot<T>(me) + q * n, in + q * block + offset, n * sizeof(T));
       }
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::reduce_scatter, dtype_of<T>, op, block), deadline, timeout,
+             c, chunks);
       // 2. This rank's block, over every rank's data in rank order.
       const auto from = [&](std::size_t q) {
         return q == me ? in + me * block + offset : slot<T>(q) + me * n;
@@ -292,8 +292,8 @@ class shm_segment {
       // 1. This rank's chunk into its slot. Every rank finished reading the
       //    slots of the previous chunk before it announced that chunk copied out.
       std::memcpy(slot<unsigned char>(me), from + offset, n);
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::allgather, dtype::uint8, reduce_op::sum, bytes), deadline,
+             timeout, c, chunks);
       // 2. Every rank's chunk out (this rank's own from `in`, unless it is there already).
       for (std::size_t q = 0; q < ranks; ++q) {
         unsigned char* place = to + q * bytes + offset;
@@ -335,8 +335,8 @@ class shm_segment {
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(slot<unsigned char>(me) + q * n, from + q * block + offset, n);
       }
-      publish(flags(rank_).arrived, k);
-      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      arrive(k, shape_word(collective::alltoall, dtype::uint8, reduce_op::sum, block), deadline,
+             timeout, c, chunks);
       // 2. What every other rank put there for this one.
       for (std::size_t q = 0; q < ranks; ++q) {
         if (q != me) std::memcpy(to + q * block + offset, slot<unsigned char>(q) + me * n, n);
@@ -358,11 +358,25 @@ class shm_segment {
     std::atomic<std::uint32_t> value{0};
     std::atomic<std::uint32_t> sleepers{0};
   };
-  /// One rank's progress: the last chunk it copied in, and the last it reduced.
+  /// One rank's progress: the last chunk it copied in, and the last it
+  /// reduced; and what it called (shape_word()), written before `arrived`.
   struct rank_flags {
     flag arrived;
     flag reduced;
+    std::atomic<std::uint64_t> shape{0};
   };
+  enum class collective : std::uint8_t { allreduce, reduce_scatter, allgather, alltoall };
+  /// A collective, its type, op and count (elements; bytes for allgather and
+  /// alltoall) in one word that every rank of the chunk must have alike.
+  static constexpr std::uint64_t shape_word(collective kind, dtype type, reduce_op op,
+                                            std::size_t count) noexcept {
+    return (std::uint64_t{static_cast<std::uint8_t>(kind)} << 60) |
+           (std::uint64_t{static_cast<std::uint8_t>(type)} << 52) |
+           (std::uint64_t{static_cast<std::uint8_t>(op)} << 48) |
+           (static_cast<std::uint64_t>(count) & ((std::uint64_t{1} << 48) - 1));
+  }
+  /// "allreduce(1000 x float32, sum)"
+  static std::string describe_shape(std::uint64_t shape);
   struct alignas(64) control {
     std::uint64_t magic = 0;
     std::uint64_t slot_bytes = 0;
@@ -424,6 +438,14 @@ class shm_segment {
 
   [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
                                   std::size_t chunks) const;
+
+  // This rank's chunk k is in its slot: says so with its `shape`, waits for
+  // every rank's, and throws shm_failure (after abandon(), so that every rank
+  // stops) when some rank called another collective, type, op or count. Where
+  // TCP's Gloo would fail on the lengths (or not at all), the slots here would
+  // be reduced as they are.
+  void arrive(std::uint32_t k, std::uint64_t shape, std::chrono::steady_clock::time_point deadline,
+              std::chrono::milliseconds timeout, std::size_t c, std::size_t chunks);
 
   void swap(shm_segment& o) noexcept;
 
