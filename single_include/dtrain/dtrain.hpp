@@ -4461,7 +4461,8 @@ DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_
   for (;;) {
     if (poll()) return true;
     const auto now = std::chrono::steady_clock::now();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    // (Rounded up: a timeout of 5 s, a few microseconds in, is still 5000 ms in messages.)
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now);
     if (left.count() <= 0) return poll();
     if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
       gloo_state::task t = std::move(s->queue.front());
@@ -10781,16 +10782,23 @@ class store_channel {
     });
   }
 
-  void broadcast(std::span<std::uint8_t> data, int root) {
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast(data, root, true); }
+
+  /// broadcast() where a rank that does not `want` the bytes leaves `data`
+  /// as it is and reads nothing from the store: the root's key is read by
+  /// the ranks that want it alone (a part sent to a few ranks of many).
+  void broadcast(std::span<std::uint8_t> data, int root, bool wanted) {
     if (root < 0 || root >= size_) {
       throw config_error("store_channel::broadcast: root " + std::to_string(root) +
                          " is not a rank of " + std::to_string(size_));
     }
     const std::string round = next_round();
     const std::string key = round + "root";
+    // (A rank that does not want it counts as a read all the same: the last
+    // read erases the key, and the root counts only once it has set it.)
     if (rank_ == root) {
       store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
-    } else {
+    } else if (wanted) {
       const std::string value = store_.get(key);
       expect_length(key, value, data.size(), root);
       if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
@@ -10870,8 +10878,12 @@ class control_plane {
         allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
           static_cast<Channel*>(c)->allgather(in, out);
         }),
-        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
-          static_cast<Channel*>(c)->broadcast(data, root);
+        broadcast_([](void* c, std::span<std::uint8_t> data, int root, bool wanted) {
+          if constexpr (requires(Channel & ch) { ch.broadcast(data, root, wanted); }) {
+            static_cast<Channel*>(c)->broadcast(data, root, wanted);
+          } else {
+            static_cast<Channel*>(c)->broadcast(data, root);
+          }
         }) {}
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -10879,14 +10891,21 @@ class control_plane {
   void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
     allgather_(channel_, in, out);
   }
-  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root, true); }
+  /// A broadcast whose bytes only the ranks that `want` them need: every
+  /// rank calls it, and a rank that does not want them may find `data` as it
+  /// was (the store's channel reads nothing for it; a communicator's
+  /// collective brings them to every rank all the same).
+  void broadcast(std::span<std::uint8_t> data, int root, bool wanted) {
+    broadcast_(channel_, data, root, wanted);
+  }
 
  private:
   void* channel_;
   int rank_;
   int size_;
   void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
-  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
+  void (*broadcast_)(void*, std::span<std::uint8_t>, int, bool);
 };
 
 static_assert(host_channel<control_plane>);
@@ -21554,6 +21573,16 @@ DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   o[field::local_rank] = read_int(env, "LOCAL_RANK");
   o[field::local_world_size] = read_int(env, "LOCAL_WORLD_SIZE");
   o[field::node_rank] = read_int(env, "GROUP_RANK");  // torchrun's name for the node index
+  // torchrun numbers its workers node by node, the same count on each.
+  const auto& group = o[field::node_rank];
+  const auto& rank = o[field::rank];
+  const auto& local_rank = o[field::local_rank];
+  const auto& local_size = o[field::local_world_size];
+  if (group && rank && local_rank && local_size &&
+      std::int64_t{group->value} * local_size->value + local_rank->value != rank->value) {
+    throw config_error(rank->origin + " is not " + group->origin + " × " + local_size->origin +
+                       " + " + local_rank->origin + " (torchrun numbers the ranks node by node)");
+  }
   agree(o[field::node_rank], read_int(env, "NODE_RANK"), "the node rank");
   o[field::num_nodes] = read_int(env, "GROUP_WORLD_SIZE");
   const auto& ws = o[field::world_size];
@@ -32604,7 +32633,8 @@ class memory_tier final : public tier {
   /// pieces; each rank writes it into `into` (unless empty) and checks it.
   /// False when the root cannot send it (every rank knows); else `got`
   /// holds its size and checksum and `extra` the root's number, and
-  /// `problem` this rank's error, if any.
+  /// `problem` this rank's error, if any. `into` empty: this rank does not
+  /// want the bytes, and over the store's channel it reads none of them.
   bool send_part(int root, const part_source& source, const std::filesystem::path& into,
                  file_record& got, std::int64_t& extra, std::string& problem);
   /// Every rank together: whether `mine` holds on every rank.
@@ -33538,7 +33568,8 @@ DTRAIN_DETAIL_INLINE bool memory_tier::send_part(int root, const part_source& so
       piece.assign(n, '\0');
     }
     context_.plane.broadcast(
-        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(piece.data()), n), root);
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(piece.data()), n), root,
+        !into.empty());
     if (out && problem.empty()) {
       try {
         out->write(piece.data(), n);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -104,35 +105,46 @@ TEST_CASE("work: copies share the end, and the timeout, that one of them saw") {
   CHECK(aborted == 1);
 }
 
+namespace {
+/// `size` ranks on threads, each with its own client of `server`:
+/// body(client, rank). Each rank's exception's text, or "".
+std::vector<std::string> on_store_ranks(
+    dtrain::store_server& server, int size,
+    const std::function<void(dtrain::store_client&, int)>& body) {
+  std::vector<std::string> failures(static_cast<std::size_t>(size));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        dtrain::store_client client("127.0.0.1", server.port(), quick);
+        body(client, r);
+      } catch (const std::exception& e) {
+        failures[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return failures;
+}
+}  // namespace
+
 TEST_CASE("control plane: store_channel allgathers and broadcasts among threads, and cleans up") {
   dtrain::store_server server("127.0.0.1", 0, quick);
   constexpr int size = 4;
   std::vector<std::vector<std::int64_t>> gathered(size);
   std::vector<std::vector<std::uint8_t>> received(size);
-  std::vector<std::string> failures(size);
-  {
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < size; ++r) {
-      ranks.emplace_back([&, r] {
-        try {
-          dtrain::store_client client("127.0.0.1", server.port(), quick);
-          dtrain::store_channel channel(client, r, size, "test-control");
-          dtrain::control_plane plane(channel);
-          for (int round = 0; round < 3; ++round) {
-            const std::int64_t mine[2] = {r * 10 + round, -r};
-            gathered[static_cast<std::size_t>(r)].assign(2 * size, 0);
-            plane.allgather(mine, gathered[static_cast<std::size_t>(r)]);
-            std::vector<std::uint8_t> bytes(5, static_cast<std::uint8_t>(r == 2 ? 40 + round : 0));
-            plane.broadcast(bytes, 2);
-            received[static_cast<std::size_t>(r)] = bytes;
-          }
-        } catch (const std::exception& e) {
-          failures[static_cast<std::size_t>(r)] = e.what();
-        }
-      });
+  const auto failures = on_store_ranks(server, size, [&](dtrain::store_client& client, int r) {
+    dtrain::store_channel channel(client, r, size, "test-control");
+    dtrain::control_plane plane(channel);
+    for (int round = 0; round < 3; ++round) {
+      const std::int64_t mine[2] = {r * 10 + round, -r};
+      gathered[static_cast<std::size_t>(r)].assign(2 * size, 0);
+      plane.allgather(mine, gathered[static_cast<std::size_t>(r)]);
+      std::vector<std::uint8_t> bytes(5, static_cast<std::uint8_t>(r == 2 ? 40 + round : 0));
+      plane.broadcast(bytes, 2);
+      received[static_cast<std::size_t>(r)] = bytes;
     }
-    for (auto& t : ranks) t.join();
-  }
+  });
   for (int r = 0; r < size; ++r) {
     INFO("rank " << r);
     CHECK(failures[static_cast<std::size_t>(r)].empty());
@@ -144,6 +156,68 @@ TEST_CASE("control plane: store_channel allgathers and broadcasts among threads,
     CHECK(received[static_cast<std::size_t>(r)] == std::vector<std::uint8_t>(5, 42));
   }
   // The last reader of every round erased it: nothing is left behind.
+  dtrain::store_client check("127.0.0.1", server.port(), quick);
+  CHECK(check.num_keys() == 0);
+}
+
+namespace {
+/// A store that counts the bytes its gets returned (a store_client underneath).
+struct counting_store {
+  dtrain::store_client& inner;
+  std::size_t got = 0;
+  void set(std::string_view k, std::string_view v) { inner.set(k, v); }
+  std::string get(std::string_view k) {
+    std::string v = inner.get(k);
+    got += v.size();
+    return v;
+  }
+  std::string get(std::string_view k, std::chrono::milliseconds t) {
+    std::string v = inner.get(k, t);
+    got += v.size();
+    return v;
+  }
+  std::int64_t add(std::string_view k, std::int64_t d) { return inner.add(k, d); }
+  std::string compare_set(std::string_view k, std::string_view e, std::string_view d) {
+    return inner.compare_set(k, e, d);
+  }
+  void wait(std::span<const std::string> keys) { inner.wait(keys); }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds t) { inner.wait(keys, t); }
+  bool check(std::span<const std::string> keys) { return inner.check(keys); }
+  bool erase(std::string_view k) { return inner.erase(k); }
+  std::int64_t num_keys() { return inner.num_keys(); }
+  void barrier(std::string_view k, int n) { inner.barrier(k, n); }
+  void barrier(std::string_view k, int n, std::chrono::milliseconds t) { inner.barrier(k, n, t); }
+};
+static_assert(dtrain::store<counting_store>);
+}  // namespace
+
+TEST_CASE(
+    "control plane: a broadcast to some ranks reads nothing from the store on the others, and "
+    "cleans up") {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  constexpr int size = 4;
+  std::vector<std::vector<std::uint8_t>> received(size);
+  std::vector<std::size_t> got(size);
+  const auto failures = on_store_ranks(server, size, [&](dtrain::store_client& client, int r) {
+    counting_store counted{client};
+    dtrain::store_channel channel(counted, r, size, "test-some");
+    dtrain::control_plane plane(channel);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<std::uint8_t> bytes(1000, static_cast<std::uint8_t>(r == 1 ? 7 : 0));
+      plane.broadcast(bytes, 1, r == 3);  // rank 1 to rank 3 alone
+      received[static_cast<std::size_t>(r)] = bytes;
+    }
+    got[static_cast<std::size_t>(r)] = counted.got;
+  });
+  for (int r = 0; r < size; ++r) {
+    INFO("rank " << r);
+    CHECK(failures[static_cast<std::size_t>(r)].empty());
+    CHECK(received[static_cast<std::size_t>(r)] ==
+          std::vector<std::uint8_t>(1000, r == 0 || r == 2 ? 0 : 7));
+  }
+  CHECK(got[0] == 0);
+  CHECK(got[2] == 0);
+  CHECK(got[3] == 3000);
   dtrain::store_client check("127.0.0.1", server.port(), quick);
   CHECK(check.num_keys() == 0);
 }

@@ -147,6 +147,15 @@ TEST_CASE("env://: errors name every variable involved and its value") {
                         {"LOCAL_WORLD_SIZE", "2"},
                         {"GROUP_WORLD_SIZE", "1"}}) ==
         "WORLD_SIZE=4 is not LOCAL_WORLD_SIZE=2 workers per node times GROUP_WORLD_SIZE=1 nodes");
+  // torchrun numbers its workers node by node.
+  CHECK(discover_error({{"RANK", "5"},
+                        {"WORLD_SIZE", "8"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "4"},
+                        {"GROUP_RANK", "0"},
+                        {"GROUP_WORLD_SIZE", "2"}}) ==
+        "RANK=5 is not GROUP_RANK=0 × LOCAL_WORLD_SIZE=4 + LOCAL_RANK=1 (torchrun numbers the "
+        "ranks node by node)");
   // Without a local size or a node count (Azure ML's PyTorch jobs), still below the world size.
   CHECK(discover_error({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "8"}}) ==
         "LOCAL_RANK=8 is not below WORLD_SIZE=8");

@@ -887,7 +887,8 @@ DTRAIN_DETAIL_INLINE bool memory_tier::send_part(int root, const part_source& so
       piece.assign(n, '\0');
     }
     context_.plane.broadcast(
-        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(piece.data()), n), root);
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(piece.data()), n), root,
+        !into.empty());
     if (out && problem.empty()) {
       try {
         out->write(piece.data(), n);

@@ -213,7 +213,8 @@ class memory_tier final : public tier {
   /// pieces; each rank writes it into `into` (unless empty) and checks it.
   /// False when the root cannot send it (every rank knows); else `got`
   /// holds its size and checksum and `extra` the root's number, and
-  /// `problem` this rank's error, if any.
+  /// `problem` this rank's error, if any. `into` empty: this rank does not
+  /// want the bytes, and over the store's channel it reads none of them.
   bool send_part(int root, const part_source& source, const std::filesystem::path& into,
                  file_record& got, std::int64_t& extra, std::string& problem);
   /// Every rank together: whether `mine` holds on every rank.

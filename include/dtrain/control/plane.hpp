@@ -69,16 +69,23 @@ class store_channel {
     });
   }
 
-  void broadcast(std::span<std::uint8_t> data, int root) {
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast(data, root, true); }
+
+  /// broadcast() where a rank that does not `want` the bytes leaves `data`
+  /// as it is and reads nothing from the store: the root's key is read by
+  /// the ranks that want it alone (a part sent to a few ranks of many).
+  void broadcast(std::span<std::uint8_t> data, int root, bool wanted) {
     if (root < 0 || root >= size_) {
       throw config_error("store_channel::broadcast: root " + std::to_string(root) +
                          " is not a rank of " + std::to_string(size_));
     }
     const std::string round = next_round();
     const std::string key = round + "root";
+    // (A rank that does not want it counts as a read all the same: the last
+    // read erases the key, and the root counts only once it has set it.)
     if (rank_ == root) {
       store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
-    } else {
+    } else if (wanted) {
       const std::string value = store_.get(key);
       expect_length(key, value, data.size(), root);
       if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
@@ -158,8 +165,12 @@ class control_plane {
         allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
           static_cast<Channel*>(c)->allgather(in, out);
         }),
-        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
-          static_cast<Channel*>(c)->broadcast(data, root);
+        broadcast_([](void* c, std::span<std::uint8_t> data, int root, bool wanted) {
+          if constexpr (requires(Channel & ch) { ch.broadcast(data, root, wanted); }) {
+            static_cast<Channel*>(c)->broadcast(data, root, wanted);
+          } else {
+            static_cast<Channel*>(c)->broadcast(data, root);
+          }
         }) {}
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -167,14 +178,21 @@ class control_plane {
   void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
     allgather_(channel_, in, out);
   }
-  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root, true); }
+  /// A broadcast whose bytes only the ranks that `want` them need: every
+  /// rank calls it, and a rank that does not want them may find `data` as it
+  /// was (the store's channel reads nothing for it; a communicator's
+  /// collective brings them to every rank all the same).
+  void broadcast(std::span<std::uint8_t> data, int root, bool wanted) {
+    broadcast_(channel_, data, root, wanted);
+  }
 
  private:
   void* channel_;
   int rank_;
   int size_;
   void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
-  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
+  void (*broadcast_)(void*, std::span<std::uint8_t>, int, bool);
 };
 
 static_assert(host_channel<control_plane>);

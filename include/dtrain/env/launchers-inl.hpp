@@ -36,6 +36,16 @@ DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   o[field::local_rank] = read_int(env, "LOCAL_RANK");
   o[field::local_world_size] = read_int(env, "LOCAL_WORLD_SIZE");
   o[field::node_rank] = read_int(env, "GROUP_RANK");  // torchrun's name for the node index
+  // torchrun numbers its workers node by node, the same count on each.
+  const auto& group = o[field::node_rank];
+  const auto& rank = o[field::rank];
+  const auto& local_rank = o[field::local_rank];
+  const auto& local_size = o[field::local_world_size];
+  if (group && rank && local_rank && local_size &&
+      std::int64_t{group->value} * local_size->value + local_rank->value != rank->value) {
+    throw config_error(rank->origin + " is not " + group->origin + " × " + local_size->origin +
+                       " + " + local_rank->origin + " (torchrun numbers the ranks node by node)");
+  }
   agree(o[field::node_rank], read_int(env, "NODE_RANK"), "the node rank");
   o[field::num_nodes] = read_int(env, "GROUP_WORLD_SIZE");
   const auto& ws = o[field::world_size];

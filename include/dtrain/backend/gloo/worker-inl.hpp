@@ -34,7 +34,8 @@ DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_
   for (;;) {
     if (poll()) return true;
     const auto now = std::chrono::steady_clock::now();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    // (Rounded up: a timeout of 5 s, a few microseconds in, is still 5000 ms in messages.)
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now);
     if (left.count() <= 0) return poll();
     if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
       gloo_state::task t = std::move(s->queue.front());
