@@ -30881,6 +30881,11 @@ class registry {
   /// Of the global intervals `got` (the parts of this rank's elements it got,
   /// overlapping or not), how many elements, each counted once.
   static std::uint64_t union_size(std::vector<std::pair<std::uint64_t, std::uint64_t>> got);
+  /// check_cover()'s and check_recut()'s: throws unless the checkpoint's
+  /// ranks held all `needed` elements of `e` that this rank holds (`had`).
+  void expect_cover(const entry& e, std::uint64_t had, std::uint64_t needed) const;
+  /// Whether `name` is a sharded entry registered here.
+  [[nodiscard]] bool is_sharded(const std::string& name) const;
 
   int rank_ = 0;
   int copy_threads_ = 1;
@@ -31127,10 +31132,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
       // read, so that a re-cut reads about (old ranks / new ranks + 1) parts
       // here, not every one. The kept parts' ranges must hold every element.
       std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> cover;
-      const auto sharded = [this](const std::string& name) {
-        const auto it = std::ranges::find(entries_, name, &entry::name);
-        return it != entries_.end() && it->kind == entry_kind::sharded;
-      };
+      const auto sharded = [this](const std::string& name) { return is_sharded(name); };
       bool can_tell = true;
       for (int r = 0; r < m.world_size; ++r) {
         const std::string name = rank_part_name(r);
@@ -31257,11 +31259,13 @@ DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
   return out;
 }
 
+DTRAIN_DETAIL_INLINE bool registry::is_sharded(const std::string& name) const {
+  const auto it = std::ranges::find(entries_, name, &entry::name);
+  return it != entries_.end() && it->kind == entry_kind::sharded;
+}
+
 DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
-  return needs(part_ranges(part, [this](const std::string& name) {
-    const auto it = std::ranges::find(entries_, name, &entry::name);
-    return it != entries_.end() && it->kind == entry_kind::sharded;
-  }));
+  return needs(part_ranges(part, [this](const std::string& name) { return is_sharded(name); }));
 }
 
 DTRAIN_DETAIL_INLINE bool registry::needs(const saved_ranges& ranges) const {
@@ -31308,13 +31312,17 @@ DTRAIN_DETAIL_INLINE void registry::check_cover(
         }
       }
     }
-    const std::uint64_t have = union_size(std::move(got));
-    if (have != needed) {
-      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
-                             "': the checkpoint's ranks held " + std::to_string(have) + " of the " +
-                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
-                             " holds now (saved with another cut of the same whole?)");
-    }
+    expect_cover(e, union_size(std::move(got)), needed);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void registry::expect_cover(const entry& e, std::uint64_t had,
+                                                 std::uint64_t needed) const {
+  if (had != needed) {
+    throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                           "': the checkpoint's ranks held " + std::to_string(had) + " of the " +
+                           std::to_string(needed) + " elements rank " + std::to_string(rank_) +
+                           " holds now (saved with another cut of the same whole?)");
   }
 }
 
@@ -31350,13 +31358,7 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
     for (const shard_range& r : e.ranges) needed += r.count;
     // Saved ranges may overlap (every rank held everything): count each element once.
     const auto it = recut_.find(e.name);
-    const std::uint64_t got = it == recut_.end() ? 0 : union_size(it->second);
-    if (got != needed) {
-      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
-                             "': the checkpoint's ranks held " + std::to_string(got) + " of the " +
-                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
-                             " holds now (saved with another cut of the same whole?)");
-    }
+    expect_cover(e, it == recut_.end() ? 0 : union_size(it->second), needed);
   }
 }
 
@@ -34349,6 +34351,20 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
              {});
 }
 
+namespace detail::ckpt {
+/// Makes `dir` (and its parents) if need be; why it cannot be a directory
+/// (`writable`: one this process may write in), or no error.
+inline std::error_code usable_directory(const std::filesystem::path& dir, bool writable) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (!ec && !std::filesystem::is_directory(dir, ec))
+    ec = std::make_error_code(std::errc::not_a_directory);
+  if (!ec && writable && ::access(dir.c_str(), W_OK | X_OK) != 0)
+    ec = {errno, std::generic_category()};
+  return ec;
+}
+}  // namespace detail::ckpt
+
 DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   const checkpoint_options& o = context_.options;
   const dtrain::control_plane& plane = context_.plane;
@@ -34356,18 +34372,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
   }
-  {
-    // A directory that cannot be made (a file in its path) fails now, not
-    // at the first save, after a restore that found nothing there.
-    std::error_code ec;
-    std::filesystem::create_directories(o.dir, ec);
-    if (!ec && !std::filesystem::is_directory(o.dir, ec))
-      ec = std::make_error_code(std::errc::not_a_directory);
-    if (ec) {
-      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
-                         ": checkpoint_options::dir " + o.dir.string() +
-                         " cannot be made a directory: " + ec.message());
-    }
+  // A directory that cannot be made (a file in its path) fails now, not at
+  // the first save, after a restore that found nothing there. (Not checked
+  // for writing: a restore alone may read a checkpoint it cannot write.)
+  if (const std::error_code ec = detail::ckpt::usable_directory(o.dir, false)) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::dir " + o.dir.string() +
+                       " cannot be made a directory: " + ec.message());
   }
   if (o.keep < 1) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
@@ -34415,12 +34426,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
     }
     // A directory this rank cannot use fails now, on every rank, not at the first copy.
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (!ec && !std::filesystem::is_directory(dir, ec))
-      ec = std::make_error_code(std::errc::not_a_directory);
-    if (!ec && ::access(dir.c_str(), W_OK | X_OK) != 0) ec = {errno, std::generic_category()};
-    if (ec) {
+    if (const std::error_code ec = detail::ckpt::usable_directory(dir, true)) {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                          ": the memory tier's directory " + dir + " (" +
                          (o.memory_dir.empty() ? std::string(memory_checkpoint_variable)

@@ -43,6 +43,20 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
              {});
 }
 
+namespace detail::ckpt {
+/// Makes `dir` (and its parents) if need be; why it cannot be a directory
+/// (`writable`: one this process may write in), or no error.
+inline std::error_code usable_directory(const std::filesystem::path& dir, bool writable) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (!ec && !std::filesystem::is_directory(dir, ec))
+    ec = std::make_error_code(std::errc::not_a_directory);
+  if (!ec && writable && ::access(dir.c_str(), W_OK | X_OK) != 0)
+    ec = {errno, std::generic_category()};
+  return ec;
+}
+}  // namespace detail::ckpt
+
 DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
   const checkpoint_options& o = context_.options;
   const dtrain::control_plane& plane = context_.plane;
@@ -50,18 +64,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
   }
-  {
-    // A directory that cannot be made (a file in its path) fails now, not
-    // at the first save, after a restore that found nothing there.
-    std::error_code ec;
-    std::filesystem::create_directories(o.dir, ec);
-    if (!ec && !std::filesystem::is_directory(o.dir, ec))
-      ec = std::make_error_code(std::errc::not_a_directory);
-    if (ec) {
-      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
-                         ": checkpoint_options::dir " + o.dir.string() +
-                         " cannot be made a directory: " + ec.message());
-    }
+  // A directory that cannot be made (a file in its path) fails now, not at
+  // the first save, after a restore that found nothing there. (Not checked
+  // for writing: a restore alone may read a checkpoint it cannot write.)
+  if (const std::error_code ec = detail::ckpt::usable_directory(o.dir, false)) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::dir " + o.dir.string() +
+                       " cannot be made a directory: " + ec.message());
   }
   if (o.keep < 1) {
     throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
@@ -109,12 +118,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::take_options() {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
     }
     // A directory this rank cannot use fails now, on every rank, not at the first copy.
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (!ec && !std::filesystem::is_directory(dir, ec))
-      ec = std::make_error_code(std::errc::not_a_directory);
-    if (!ec && ::access(dir.c_str(), W_OK | X_OK) != 0) ec = {errno, std::generic_category()};
-    if (ec) {
+    if (const std::error_code ec = detail::ckpt::usable_directory(dir, true)) {
       throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                          ": the memory tier's directory " + dir + " (" +
                          (o.memory_dir.empty() ? std::string(memory_checkpoint_variable)

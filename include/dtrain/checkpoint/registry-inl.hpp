@@ -232,10 +232,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
       // read, so that a re-cut reads about (old ranks / new ranks + 1) parts
       // here, not every one. The kept parts' ranges must hold every element.
       std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> cover;
-      const auto sharded = [this](const std::string& name) {
-        const auto it = std::ranges::find(entries_, name, &entry::name);
-        return it != entries_.end() && it->kind == entry_kind::sharded;
-      };
+      const auto sharded = [this](const std::string& name) { return is_sharded(name); };
       bool can_tell = true;
       for (int r = 0; r < m.world_size; ++r) {
         const std::string name = rank_part_name(r);
@@ -362,11 +359,13 @@ DTRAIN_DETAIL_INLINE saved_ranges part_ranges(
   return out;
 }
 
+DTRAIN_DETAIL_INLINE bool registry::is_sharded(const std::string& name) const {
+  const auto it = std::ranges::find(entries_, name, &entry::name);
+  return it != entries_.end() && it->kind == entry_kind::sharded;
+}
+
 DTRAIN_DETAIL_INLINE bool registry::needs(const std::filesystem::path& part) const {
-  return needs(part_ranges(part, [this](const std::string& name) {
-    const auto it = std::ranges::find(entries_, name, &entry::name);
-    return it != entries_.end() && it->kind == entry_kind::sharded;
-  }));
+  return needs(part_ranges(part, [this](const std::string& name) { return is_sharded(name); }));
 }
 
 DTRAIN_DETAIL_INLINE bool registry::needs(const saved_ranges& ranges) const {
@@ -413,13 +412,17 @@ DTRAIN_DETAIL_INLINE void registry::check_cover(
         }
       }
     }
-    const std::uint64_t have = union_size(std::move(got));
-    if (have != needed) {
-      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
-                             "': the checkpoint's ranks held " + std::to_string(have) + " of the " +
-                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
-                             " holds now (saved with another cut of the same whole?)");
-    }
+    expect_cover(e, union_size(std::move(got)), needed);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void registry::expect_cover(const entry& e, std::uint64_t had,
+                                                 std::uint64_t needed) const {
+  if (had != needed) {
+    throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                           "': the checkpoint's ranks held " + std::to_string(had) + " of the " +
+                           std::to_string(needed) + " elements rank " + std::to_string(rank_) +
+                           " holds now (saved with another cut of the same whole?)");
   }
 }
 
@@ -455,13 +458,7 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
     for (const shard_range& r : e.ranges) needed += r.count;
     // Saved ranges may overlap (every rank held everything): count each element once.
     const auto it = recut_.find(e.name);
-    const std::uint64_t got = it == recut_.end() ? 0 : union_size(it->second);
-    if (got != needed) {
-      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
-                             "': the checkpoint's ranks held " + std::to_string(got) + " of the " +
-                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
-                             " holds now (saved with another cut of the same whole?)");
-    }
+    expect_cover(e, it == recut_.end() ? 0 : union_size(it->second), needed);
   }
 }
 

@@ -173,6 +173,11 @@ class registry {
   /// Of the global intervals `got` (the parts of this rank's elements it got,
   /// overlapping or not), how many elements, each counted once.
   static std::uint64_t union_size(std::vector<std::pair<std::uint64_t, std::uint64_t>> got);
+  /// check_cover()'s and check_recut()'s: throws unless the checkpoint's
+  /// ranks held all `needed` elements of `e` that this rank holds (`had`).
+  void expect_cover(const entry& e, std::uint64_t had, std::uint64_t needed) const;
+  /// Whether `name` is a sharded entry registered here.
+  [[nodiscard]] bool is_sharded(const std::string& name) const;
 
   int rank_ = 0;
   int copy_threads_ = 1;
